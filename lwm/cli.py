@@ -1,0 +1,64 @@
+"""The `lwm` command line: a registry of verbs, each a thin module under `lwm.commands`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from lwm.config import ConfigError
+from lwm.mesh import MeshError
+
+# verb -> (module with `add_arguments(parser)` and `run(args) -> int`, one-line help).
+# Modules are imported only when their verb runs, so a verb pays only for its own imports.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "info": (
+        "lwm.commands.info",
+        "show a config's parameter counts, FLOPs per token and per-device memory",
+    ),
+}
+
+# Errors caused by the user's input: reported as one line, exit status 2, no traceback.
+USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, MeshError, FileNotFoundError)
+
+
+def _top_parser() -> argparse.ArgumentParser:
+    width = max(len(name) for name in COMMANDS)
+    listing = "\n".join(f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items())
+    parser = argparse.ArgumentParser(
+        prog="lwm",
+        description="Long-video world model: configs, training and inference.",
+        epilog=f"commands:\n{listing}\n\nRun 'lwm COMMAND --help' for a command's options.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "command", choices=sorted(COMMANDS), metavar="COMMAND", help="one of the commands below"
+    )
+    parser.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `lwm` console script; returns the exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    top_parser = _top_parser()
+    if not argv:
+        top_parser.print_help(sys.stderr)
+        return 2
+    top = top_parser.parse_args(argv)
+    module_name, help_ = COMMANDS[top.command]
+    module = importlib.import_module(module_name)
+    parser = argparse.ArgumentParser(
+        prog=f"lwm {top.command}",
+        description=module.__doc__ or help_,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    module.add_arguments(parser)
+    args = parser.parse_intermixed_args(top.args)
+    try:
+        return int(module.run(args))
+    except USER_ERRORS as e:
+        message = " ".join(str(e).split())
+        print(f"lwm: error: {message}", file=sys.stderr)
+        return 2

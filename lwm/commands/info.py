@@ -1,0 +1,91 @@
+"""Describe a config without building the model: the resolved config, parameter counts,
+FLOPs per token and per-device bytes of parameters and AdamW state on the config's mesh.
+
+  lwm info configs/7b.yaml
+  lwm info configs/7b_1m.yaml mesh.shape=1,-1,32,1 --devices 256
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from lwm.config import Config, config_to_yaml, load_config
+from lwm.info import flops_per_token, memory_per_device, param_counts
+from lwm.mesh import MESH_AXES, make_mesh, mesh_axis_sizes, parse_mesh_shape
+
+GIB = 1024**3
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="YAML config file, e.g. configs/7b.yaml")
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="config overrides, e.g. model.num_layers=4 mesh.shape=1,-1,4,1",
+    )
+    parser.add_argument(
+        "--devices",
+        type=_positive_int,
+        metavar="N",
+        help="plan for a mesh of N devices without having them (default: the devices JAX sees)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    config = load_config(args.config, args.overrides)
+    if args.devices is None:
+        mesh = make_mesh(config.mesh.shape)
+        axis_sizes, num_devices = dict(mesh.shape), mesh.size
+    else:
+        axis_sizes = mesh_axis_sizes(parse_mesh_shape(config.mesh.shape, args.devices))
+        num_devices = args.devices
+    print(format_info(config, args.config, axis_sizes, num_devices))
+    return 0
+
+
+def format_info(config: Config, source: str, axis_sizes: dict[str, int], num_devices: int) -> str:
+    """The report printed by `lwm info`."""
+    model = config.model
+    counts = param_counts(model)
+    flops = flops_per_token(model)
+    memory = memory_per_device(model, axis_sizes)
+    mesh_text = " ".join(f"{axis}={axis_sizes[axis]}" for axis in MESH_AXES)
+    rows = [
+        f"# {source}",
+        config_to_yaml(config).rstrip(),
+        "",
+        "parameters:",
+        f"  text     {counts.text:>15,}  ({_short(counts.text)})",
+        f"  vision   {counts.vision:>15,}  ({_short(counts.vision)})",
+        f"  total    {counts.total:>15,}  ({_short(counts.total)})",
+        f"FLOPs per token at seq_len {flops.seq_len:,} (N = {flops.matmul_params:,} matmul params):",
+        f"  training  (6N + 12*L*H*S)  {flops.train:.3e}",
+        f"  inference (2N)             {flops.inference:.3e}",
+        f"per device on mesh {mesh_text} ({num_devices} device{'s' * (num_devices != 1)}):",
+        _gib_row(f"parameters ({model.param_dtype})", memory.params),
+        _gib_row("AdamW state (2 x float32)", memory.optimizer),
+        _gib_row("total", memory.params + memory.optimizer),
+    ]
+    return "\n".join(rows)
+
+
+def _gib_row(label: str, nbytes: int) -> str:
+    return f"  {label:<28} {nbytes / GIB:8.2f} GiB"
+
+
+def _short(n: int) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(n)

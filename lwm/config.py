@@ -1,0 +1,306 @@
+"""Typed, validated configuration: YAML files with `base:` inheritance and `key=value` overrides."""
+
+from __future__ import annotations
+
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.fields import FieldInfo
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "MeshConfig",
+    "ModelConfig",
+    "config_to_yaml",
+    "load_config",
+]
+
+PositiveInt = Annotated[int, Field(gt=0)]
+PositiveFloat = Annotated[float, Field(gt=0)]
+DType = Literal["float32", "bfloat16", "float16"]
+RematPolicy = Literal[
+    "none",
+    "nothing_saveable",
+    "dots_saveable",
+    "dots_with_no_batch_dims_saveable",
+    "everything_saveable",
+]
+
+
+class ConfigError(ValueError):
+    """A config file, override or value is invalid; the message names the key and the problem."""
+
+
+class ModelConfig(BaseModel):
+    """LLaMA-style transformer with separate text and vision embeddings and heads (as in LWM)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    text_vocab_size: PositiveInt = 32000
+    vision_vocab_size: PositiveInt = 8448
+    hidden_size: PositiveInt
+    intermediate_size: PositiveInt
+    num_layers: PositiveInt
+    num_heads: PositiveInt
+    num_kv_heads: PositiveInt
+    head_dim: PositiveInt | None = None  # None: hidden_size // num_heads (filled in on validation)
+    rope_theta: PositiveFloat = 10000.0
+    max_seq_len: PositiveInt
+    rms_norm_eps: PositiveFloat = 1e-5
+    dtype: DType = "float32"  # activations / compute
+    param_dtype: DType = "float32"  # stored parameters
+    attention: Literal["dense", "blockwise", "ring"] = "blockwise"
+    block_q: PositiveInt = 512
+    block_k: PositiveInt = 512
+    remat_policy: RematPolicy = "nothing_saveable"
+    scan_layers: bool = True
+    mlp_chunk_size: Annotated[int, Field(ge=0)] = 0  # 0 = unchunked
+    tie_word_embeddings: bool = False
+    tie_vision_embeddings: bool = False
+    initializer_range: PositiveFloat = 0.02
+    zigzag: bool = True  # load-balanced sequence layout for ring attention
+
+    @model_validator(mode="after")
+    def _check_heads(self) -> ModelConfig:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be divisible by num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim is None:
+            if self.hidden_size % self.num_heads:
+                raise ValueError(
+                    f"hidden_size ({self.hidden_size}) must be divisible by num_heads "
+                    f"({self.num_heads}) when head_dim is not given"
+                )
+            self.head_dim = self.hidden_size // self.num_heads
+        return self
+
+    @property
+    def num_kv_groups(self) -> int:
+        """Query heads per K/V head (1 = multi-head attention, >1 = grouped-query attention)."""
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def q_size(self) -> int:
+        """Width of the concatenated query heads."""
+        assert self.head_dim is not None
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        """Width of the concatenated key (or value) heads."""
+        assert self.head_dim is not None
+        return self.num_kv_heads * self.head_dim
+
+
+class MeshConfig(BaseModel):
+    """Device mesh over the axes (dp, fsdp, sp, tp); one -1 takes the remaining devices."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    shape: str = "1,-1,1,1"
+
+    @field_validator("shape", mode="before")
+    @classmethod
+    def _join_sequence(cls, value: Any) -> Any:
+        # Accept `shape: [1, -1, 4, 1]` in YAML as well as the string form.
+        if isinstance(value, list | tuple):
+            return ",".join(str(v) for v in value)
+        return value
+
+
+class Config(BaseModel):
+    """Root config. Sections are added here as the project grows (train, data, ...)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: ModelConfig
+    mesh: MeshConfig = Field(default_factory=MeshConfig)
+    seed: int = 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
+    """Load a YAML config (following `base:` links), apply `a.b=value` overrides, validate."""
+    data = _load_yaml_with_base(Path(path), ())
+    for override in overrides:
+        _apply_override(data, override)
+    return validate_config(data)
+
+
+def validate_config(data: Mapping[str, Any]) -> Config:
+    """Validate a plain dict into a `Config`, turning pydantic errors into one `ConfigError`."""
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError("; ".join(_format_error(err) for err in e.errors())) from None
+
+
+def config_to_yaml(config: BaseModel) -> str:
+    """The resolved config as YAML, in field order."""
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+
+
+def _load_yaml_with_base(path: Path, chain: tuple[Path, ...]) -> dict[str, Any]:
+    resolved = path.resolve()
+    if resolved in chain:
+        cycle = " -> ".join(str(p) for p in (*chain, resolved))
+        raise ConfigError(f"config file '{path}': circular 'base' chain: {cycle}")
+    if not path.is_file():
+        raise ConfigError(f"config file '{path}' not found")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        problem = " ".join(str(e).split())
+        raise ConfigError(f"config file '{path}' is not valid YAML: {problem}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"config file '{path}' must contain a mapping at the top level, "
+            f"got {type(data).__name__}"
+        )
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    if not isinstance(base, str):
+        raise ConfigError(f"config file '{path}': 'base' must be a file name, got {base!r}")
+    parent = _load_yaml_with_base(path.parent / base, (*chain, resolved))
+    return _deep_merge(parent, data)
+
+
+def _deep_merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in update.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = _deep_merge(dict(merged[key]), value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _apply_override(data: dict[str, Any], override: str) -> None:
+    key, sep, raw = override.partition("=")
+    key = key.strip()
+    parts = key.split(".")
+    if not sep or not key or any(not p for p in parts):
+        raise ConfigError(
+            f"malformed override '{override}': expected KEY=VALUE, e.g. model.num_layers=4"
+        )
+    field = _field_at(parts)
+    if field is not None and _is_str_field(field):
+        value: Any = raw
+    else:
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError:
+            value = raw
+    node = data
+    for i, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            prefix = ".".join(parts[: i + 1])
+            raise ConfigError(
+                f"override '{override}': config key '{prefix}' is a value, not a section"
+            )
+        node = child
+    node[parts[-1]] = value
+
+
+# ---------------------------------------------------------------------------------------------
+# Error messages
+
+
+def _field_at(parts: Sequence[str]) -> FieldInfo | None:
+    """The pydantic field at a dotted path under `Config`, or None if there is none."""
+    model: type[BaseModel] | None = Config
+    field = None
+    for part in parts:
+        if model is None or part not in model.model_fields:
+            return None
+        field = model.model_fields[part]
+        model = _model_class(field.annotation)
+    return field
+
+
+def _model_class(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return None
+
+
+def _is_str_field(field: FieldInfo) -> bool:
+    ann = field.annotation
+    return ann is str or str in _union_args(ann)
+
+
+def _union_args(annotation: Any) -> tuple[Any, ...]:
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return typing.get_args(annotation)
+    return ()
+
+
+def _describe_type(annotation: Any) -> str:
+    if typing.get_origin(annotation) is Annotated:
+        return _describe_type(typing.get_args(annotation)[0])
+    if typing.get_origin(annotation) is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(annotation))
+    args = _union_args(annotation)
+    if args:
+        return " or ".join(_describe_type(a) for a in args)
+    if annotation is type(None):
+        return "null"
+    if model := _model_class(annotation):
+        return f"a mapping ({model.__name__})"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _known_prefix(loc: Sequence[Any]) -> list[str]:
+    """The longest prefix of an error location that is a path of fields (drops union tags)."""
+    model: type[BaseModel] | None = Config
+    path: list[str] = []
+    for part in loc:
+        if model is None or not isinstance(part, str) or part not in model.model_fields:
+            break
+        path.append(part)
+        model = _model_class(model.model_fields[part].annotation)
+    return path
+
+
+def _format_error(err: Mapping[str, Any]) -> str:
+    kind = err["type"]
+    loc = _known_prefix(err["loc"])
+    if kind == "extra_forbidden":
+        loc.append(str(err["loc"][len(loc)]))
+    key = ".".join(loc)
+    if kind == "extra_forbidden":
+        parent = _model_at(loc[:-1])
+        where = f"in '{'.'.join(loc[:-1])}'" if len(loc) > 1 else "at the top level"
+        valid = ", ".join(sorted(parent.model_fields)) if parent else "(none)"
+        return f"unknown config key '{key}'; valid keys {where}: {valid}"
+    if kind == "missing":
+        return f"missing required config key '{key}'"
+    msg = str(err["msg"]).removeprefix("Value error, ")
+    field = _field_at(loc)
+    if kind.startswith("value_error") or kind == "assertion_error" or field is None:
+        return f"invalid config '{key or '<root>'}': {msg}"
+    expected = _describe_type(field.annotation)
+    return (
+        f"invalid value for config key '{key}': {err.get('input')!r} (expected {expected}): {msg}"
+    )
+
+
+def _model_at(parts: Sequence[str]) -> type[BaseModel] | None:
+    if not parts:
+        return Config
+    field = _field_at(parts)
+    return _model_class(field.annotation) if field is not None else None

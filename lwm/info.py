@@ -1,0 +1,156 @@
+"""Analytic model facts: parameter shapes and logical axes, counts, FLOPs and per-device memory.
+
+Nothing here allocates parameters, so a 7B (or larger) config is described instantly.
+`param_specs` is the single table of parameter shapes and logical axis names; the model uses it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import NamedTuple
+
+from lwm.config import ModelConfig
+from lwm.mesh import logical_to_spec, shard_bytes
+
+__all__ = [
+    "DTYPE_BYTES",
+    "VISION_PARAMS",
+    "FlopsPerToken",
+    "MemoryPerDevice",
+    "ParamCounts",
+    "ParamSpec",
+    "flops_per_token",
+    "layer_param_specs",
+    "memory_per_device",
+    "param_counts",
+    "param_specs",
+]
+
+DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
+ADAM_MOMENT_BYTES = 4  # AdamW keeps two float32 moments per parameter
+
+# Parameters that belong to the vision side of the model (the rest is the text LLaMA).
+VISION_PARAMS: frozenset[str] = frozenset({"embed_vision", "vision_head"})
+
+# Matrices multiplied against every token (embedding lookups are not matmuls).
+_MATMUL_LAYER_PARAMS = ("attn.q", "attn.k", "attn.v", "attn.o", "mlp.gate", "mlp.up", "mlp.down")
+
+
+class ParamSpec(NamedTuple):
+    """Shape of one parameter and the logical name of each of its dimensions."""
+
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]
+
+
+class ParamCounts(NamedTuple):
+    text: int
+    vision: int
+
+    @property
+    def total(self) -> int:
+        return self.text + self.vision
+
+
+class FlopsPerToken(NamedTuple):
+    train: float  # forward + backward
+    inference: float  # forward, excluding attention over the context
+    seq_len: int
+    matmul_params: int
+
+
+class MemoryPerDevice(NamedTuple):
+    params: int  # bytes, in param_dtype
+    optimizer: int  # bytes, AdamW moments in float32
+
+
+def layer_param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
+    """Parameters of one transformer block (attention, SwiGLU MLP, two RMSNorms)."""
+    h, m = cfg.hidden_size, cfg.intermediate_size
+    return {
+        "attn_norm": ParamSpec((h,), ("norm",)),
+        "attn.q": ParamSpec((h, cfg.q_size), ("embed", "heads")),
+        "attn.k": ParamSpec((h, cfg.kv_size), ("embed", "kv_heads")),
+        "attn.v": ParamSpec((h, cfg.kv_size), ("embed", "kv_heads")),
+        "attn.o": ParamSpec((cfg.q_size, h), ("heads", "embed")),
+        "mlp_norm": ParamSpec((h,), ("norm",)),
+        "mlp.gate": ParamSpec((h, m), ("embed", "mlp")),
+        "mlp.up": ParamSpec((h, m), ("embed", "mlp")),
+        "mlp.down": ParamSpec((m, h), ("mlp", "embed")),
+    }
+
+
+def param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
+    """Every parameter of the model, by dotted name.
+
+    With `scan_layers` the blocks are stacked under `layers.*` with a leading ("layers",) axis;
+    otherwise each block is `layers.{i}.*`. Tied heads reuse the embedding and have no entry.
+    """
+    h = cfg.hidden_size
+    specs: dict[str, ParamSpec] = {
+        "embed_text": ParamSpec((cfg.text_vocab_size, h), ("vocab", "embed")),
+        "embed_vision": ParamSpec((cfg.vision_vocab_size, h), ("vocab", "embed")),
+    }
+    layer = layer_param_specs(cfg)
+    if cfg.scan_layers:
+        for name, (shape, axes) in layer.items():
+            specs[f"layers.{name}"] = ParamSpec((cfg.num_layers, *shape), ("layers", *axes))
+    else:
+        for i in range(cfg.num_layers):
+            for name, spec in layer.items():
+                specs[f"layers.{i}.{name}"] = spec
+    specs["final_norm"] = ParamSpec((h,), ("norm",))
+    if not cfg.tie_word_embeddings:
+        specs["lm_head"] = ParamSpec((h, cfg.text_vocab_size), ("embed", "vocab"))
+    if not cfg.tie_vision_embeddings:
+        specs["vision_head"] = ParamSpec((h, cfg.vision_vocab_size), ("embed", "vocab"))
+    return specs
+
+
+def param_counts(cfg: ModelConfig) -> ParamCounts:
+    """Parameter counts of the text model and of the vision embedding + head."""
+    text = vision = 0
+    for name, spec in param_specs(cfg).items():
+        n = math.prod(spec.shape)
+        if name in VISION_PARAMS:
+            vision += n
+        else:
+            text += n
+    return ParamCounts(text=text, vision=vision)
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> FlopsPerToken:
+    """Model FLOPs per token at sequence length S (default `max_seq_len`).
+
+    N counts the parameters multiplied against every token: per layer q, k, v, o, gate, up and
+    down, plus the text and the vision head (LWM computes both logits at every position; a tied
+    head still costs its matmul). Embedding lookups are free.
+
+        train     = 6 * N + 12 * L * (num_heads * head_dim) * S
+        inference = 2 * N
+
+    The attention term is forward (QK^T and AV: 2 * 2 * L * d * S) times 3 for fwd + bwd, without
+    the causal halving, as in PaLM's model-FLOPs accounting. Recomputation is not counted.
+    """
+    s = cfg.max_seq_len if seq_len is None else seq_len
+    layer = layer_param_specs(cfg)
+    n = cfg.num_layers * sum(math.prod(layer[k].shape) for k in _MATMUL_LAYER_PARAMS)
+    n += cfg.hidden_size * (cfg.text_vocab_size + cfg.vision_vocab_size)
+    train = 6.0 * n + 12.0 * cfg.num_layers * cfg.q_size * s
+    return FlopsPerToken(train=train, inference=2.0 * n, seq_len=s, matmul_params=n)
+
+
+def memory_per_device(cfg: ModelConfig, axis_sizes: Mapping[str, int]) -> MemoryPerDevice:
+    """Bytes of parameters and of AdamW state one device holds, sharded by the logical rules.
+
+    `axis_sizes` maps mesh axes to sizes (`mesh.shape`, or `mesh_axis_sizes(shape)` for a planned
+    mesh). Uneven dimensions round up.
+    """
+    itemsize = DTYPE_BYTES[cfg.param_dtype]
+    params = moments = 0
+    for spec in param_specs(cfg).values():
+        pspec = logical_to_spec(spec.axes)
+        params += shard_bytes(spec.shape, pspec, axis_sizes, itemsize)
+        moments += 2 * shard_bytes(spec.shape, pspec, axis_sizes, ADAM_MOMENT_BYTES)
+    return MemoryPerDevice(params=params, optimizer=moments)

@@ -1,0 +1,192 @@
+"""The (dp, fsdp, sp, tp) device mesh and the one table mapping logical axis names to mesh axes."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import jax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+__all__ = [
+    "LOGICAL_AXIS_RULES",
+    "MESH_AXES",
+    "MeshError",
+    "logical_sharding",
+    "logical_to_spec",
+    "make_mesh",
+    "mesh_axis_sizes",
+    "parse_mesh_shape",
+    "shard_bytes",
+    "shard_shape",
+]
+
+MESH_AXES: tuple[str, str, str, str] = ("dp", "fsdp", "sp", "tp")
+
+MeshAxes = str | tuple[str, ...] | None
+
+# Logical axis name -> mesh axes. Parameters: large matrices are sharded over ('fsdp', 'sp') on
+# their model-dimension side and over 'tp' on the other, so sequence-parallel devices also hold a
+# slice of the weights. Activations: batch over ('dp', 'fsdp'), length over 'sp', heads over 'tp'.
+LOGICAL_AXIS_RULES: dict[str, MeshAxes] = {
+    # parameters
+    "embed": ("fsdp", "sp"),
+    "mlp": "tp",
+    "heads": "tp",
+    "kv_heads": "tp",
+    "head_dim": None,
+    "vocab": "tp",
+    "layers": None,  # the stacked-layers (scan) axis
+    "norm": None,
+    # activations
+    "batch": ("dp", "fsdp"),
+    "length": "sp",
+    "act_heads": "tp",
+    "act_kv_heads": "tp",
+    "act_embed": None,
+    "act_mlp": "tp",
+    "act_vocab": "tp",
+}
+
+
+class MeshError(ValueError):
+    """A mesh shape or a sharding rule is invalid; the message names the spec and the problem."""
+
+
+def parse_mesh_shape(spec: str | Sequence[int], num_devices: int) -> tuple[int, int, int, int]:
+    """Resolve a "dp,fsdp,sp,tp" shape (one entry may be -1) against `num_devices` devices."""
+    text = spec if isinstance(spec, str) else ",".join(str(s) for s in spec)
+    if num_devices < 1:
+        raise MeshError(
+            f"mesh shape '{text}': the number of devices must be positive, got {num_devices}"
+        )
+    if isinstance(spec, str):
+        items: list[object] = [s.strip() for s in spec.split(",")]
+    else:
+        items = list(spec)
+    if len(items) != len(MESH_AXES):
+        raise MeshError(
+            f"mesh shape '{text}' must have {len(MESH_AXES)} comma-separated integers "
+            f"({','.join(MESH_AXES)}), got {len(items)}"
+        )
+    sizes: list[int] = []
+    for item in items:
+        size = _as_int(item)
+        if size is None:
+            raise MeshError(f"mesh shape '{text}': {str(item)!r} is not an integer")
+        if size == 0 or size < -1:
+            raise MeshError(
+                f"mesh shape '{text}': axis sizes must be positive integers or a single -1, got {size}"
+            )
+        sizes.append(size)
+    if sizes.count(-1) > 1:
+        raise MeshError(f"mesh shape '{text}' has more than one -1; at most one axis may be -1")
+    fixed = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+        if num_devices % fixed:
+            raise MeshError(
+                f"mesh shape '{text}': {num_devices} devices cannot be split evenly; the fixed "
+                f"axes multiply to {fixed}, which does not divide {num_devices}"
+            )
+        sizes[sizes.index(-1)] = num_devices // fixed
+    elif fixed != num_devices:
+        raise MeshError(
+            f"mesh shape '{text}' needs {fixed} devices but {num_devices} "
+            f"{'is' if num_devices == 1 else 'are'} available"
+        )
+    dp, fsdp, sp, tp = sizes
+    return dp, fsdp, sp, tp
+
+
+def _as_int(item: object) -> int | None:
+    if isinstance(item, bool):
+        return None
+    if isinstance(item, int):
+        return item
+    if isinstance(item, str):
+        try:
+            return int(item)
+        except ValueError:
+            return None
+    return None
+
+
+def make_mesh(spec: str | Sequence[int], devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """Build the (dp, fsdp, sp, tp) mesh with automatic sharding on every axis."""
+    devices = list(jax.devices() if devices is None else devices)
+    shape = parse_mesh_shape(spec, len(devices))
+    return jax.make_mesh(
+        shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices
+    )
+
+
+def mesh_axis_sizes(shape: Sequence[int]) -> dict[str, int]:
+    """{axis name: size} for a resolved mesh shape (same form as `Mesh.shape`)."""
+    return dict(zip(MESH_AXES, shape, strict=True))
+
+
+def logical_to_spec(
+    logical_axes: Sequence[str | None], rules: Mapping[str, MeshAxes] = LOGICAL_AXIS_RULES
+) -> PartitionSpec:
+    """PartitionSpec for an array whose dimensions carry these logical names (None = replicated)."""
+    entries: list[MeshAxes] = []
+    used: dict[str, str | None] = {}
+    for name in logical_axes:
+        if name is None:
+            entries.append(None)
+            continue
+        if name not in rules:
+            raise MeshError(
+                f"unknown logical axis '{name}'; known axes: {', '.join(sorted(rules))}"
+            )
+        mesh_axes = rules[name]
+        for axis in _as_tuple(mesh_axes):
+            if axis in used:
+                raise MeshError(
+                    f"logical axes {tuple(logical_axes)} use mesh axis '{axis}' twice "
+                    f"(via '{used[axis]}' and '{name}')"
+                )
+            used[axis] = name
+        entries.append(mesh_axes)
+    return PartitionSpec(*entries)
+
+
+def logical_sharding(
+    mesh: Mesh,
+    logical_axes: Sequence[str | None],
+    rules: Mapping[str, MeshAxes] = LOGICAL_AXIS_RULES,
+) -> NamedSharding:
+    """NamedSharding on `mesh` for an array with these logical dimension names."""
+    return NamedSharding(mesh, logical_to_spec(logical_axes, rules))
+
+
+def shard_shape(
+    shape: Sequence[int], spec: PartitionSpec, axis_sizes: Mapping[str, int]
+) -> tuple[int, ...]:
+    """Per-device shape of an array under `spec` (ceil division where a dimension is uneven).
+
+    `axis_sizes` is `mesh.shape` of a real mesh or `mesh_axis_sizes(...)` of a planned one.
+    """
+    if len(spec) > len(shape):
+        raise MeshError(f"partition spec {spec} has more entries than the shape {tuple(shape)}")
+    out = []
+    for i, dim in enumerate(shape):
+        entry = spec[i] if i < len(spec) else None
+        parts = math.prod(axis_sizes[a] for a in _as_tuple(entry))
+        out.append(-(-dim // parts))
+    return tuple(out)
+
+
+def shard_bytes(
+    shape: Sequence[int], spec: PartitionSpec, axis_sizes: Mapping[str, int], itemsize: int
+) -> int:
+    """Bytes one device holds of an array of this shape under `spec`."""
+    return math.prod(shard_shape(shape, spec, axis_sizes)) * itemsize
+
+
+def _as_tuple(entry: MeshAxes) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    if isinstance(entry, str):
+        return (entry,)
+    return tuple(entry)

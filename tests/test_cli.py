@@ -1,0 +1,70 @@
+"""The `lwm` command line, run as a user would."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _lwm(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ)  # conftest set 8 simulated CPU devices
+    return subprocess.run(
+        [sys.executable, "-m", "lwm", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_info_7b() -> None:
+    result = _lwm("info", "configs/7b.yaml")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "hidden_size: 4096" in out and "shape: 1,-1,1,1" in out
+    assert "6,738,415,616" in out  # text parameters
+    assert "69,206,016" in out  # vision parameters
+    assert "FLOPs per token at seq_len 32,768" in out
+    assert "per device on mesh dp=1 fsdp=8 sp=1 tp=1 (8 devices)" in out
+    assert "GiB" in out
+
+
+def _assert_one_line_error(result: subprocess.CompletedProcess, *needles: str) -> None:
+    assert result.returncode == 2
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("lwm: error: ")
+    assert "Traceback" not in result.stderr
+    for needle in needles:
+        assert needle in lines[0]
+
+
+def test_unknown_key_is_one_line() -> None:
+    result = _lwm("info", "configs/7b.yaml", "model.not_a_field=1")
+    _assert_one_line_error(result, "'model.not_a_field'", "hidden_size")
+
+
+def test_wrong_mesh_product_is_one_line() -> None:
+    result = _lwm("info", "configs/7b.yaml", "mesh.shape=1,3,1,1")
+    _assert_one_line_error(result, "'1,3,1,1'", "needs 3 devices but 8 are available")
+
+
+def test_in_process_plan_and_help(capsys, monkeypatch) -> None:
+    from lwm.cli import main
+
+    monkeypatch.chdir(ROOT)
+    assert main(["info", "configs/7b_1m.yaml", "mesh.shape=1,-1,32,1", "--devices", "256"]) == 0
+    out = capsys.readouterr().out
+    assert "per device on mesh dp=1 fsdp=8 sp=32 tp=1 (256 devices)" in out
+    assert main(["info", "configs/missing.yaml"]) == 2
+    assert capsys.readouterr().err == "lwm: error: config file 'configs/missing.yaml' not found\n"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["info", "--help"])
+    assert exit_info.value.code == 0
+    assert "--devices N" in capsys.readouterr().out

@@ -1,0 +1,84 @@
+"""Analytic parameter counts, FLOPs and per-device memory."""
+
+import math
+from pathlib import Path
+
+from lwm.config import load_config
+from lwm.info import (
+    VISION_PARAMS,
+    flops_per_token,
+    memory_per_device,
+    param_counts,
+    param_specs,
+)
+from lwm.mesh import LOGICAL_AXIS_RULES, mesh_axis_sizes
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def _model(name: str, *overrides: str):
+    return load_config(CONFIGS / name, overrides).model
+
+
+def test_7b_parameter_counts() -> None:
+    counts = param_counts(_model("7b.yaml"))
+    assert counts.text == 6_738_415_616  # LLaMA-2-7B
+    assert counts.vision == 2 * 8448 * 4096
+    assert counts.total == counts.text + counts.vision
+
+
+def test_specs_shapes_and_axes() -> None:
+    model = _model("debug.yaml")
+    specs = param_specs(model)
+    assert specs["layers.attn.q"] == ((2, 64, 64), ("layers", "embed", "heads"))
+    assert specs["layers.attn.k"] == ((2, 64, 32), ("layers", "embed", "kv_heads"))
+    assert specs["layers.mlp.down"] == ((2, 128, 64), ("layers", "mlp", "embed"))
+    assert specs["lm_head"] == ((64, 256), ("embed", "vocab"))
+    assert specs["vision_head"] == ((64, 8448), ("embed", "vocab"))
+    assert VISION_PARAMS.issubset(specs)
+    for shape, axes in specs.values():
+        assert len(shape) == len(axes)
+        assert all(a in LOGICAL_AXIS_RULES for a in axes)
+    unrolled = param_specs(_model("debug.yaml", "model.scan_layers=false"))
+    assert unrolled["layers.1.attn.q"] == ((64, 64), ("embed", "heads"))
+    total = sum(math.prod(s.shape) for s in specs.values())
+    assert total == sum(math.prod(s.shape) for s in unrolled.values())
+
+
+def test_tied_heads_have_no_matrix() -> None:
+    untied = param_counts(_model("debug.yaml"))
+    tied = param_counts(
+        _model("debug.yaml", "model.tie_word_embeddings=true", "model.tie_vision_embeddings=true")
+    )
+    assert untied.text - tied.text == 64 * 256
+    assert untied.vision - tied.vision == 64 * 8448
+    assert "lm_head" not in param_specs(_model("debug.yaml", "model.tie_word_embeddings=true"))
+
+
+def test_flops_per_token() -> None:
+    model = _model("7b.yaml")
+    flops = flops_per_token(model)
+    n = 32 * (4 * 4096 * 4096 + 3 * 4096 * 11008) + 4096 * (32000 + 8448)
+    assert flops.matmul_params == n
+    assert flops.train == 6 * n + 12 * 32 * 4096 * 32768
+    assert flops.inference == 2 * n
+    assert flops_per_token(model, seq_len=1024).train < flops.train
+
+
+def test_per_device_bytes_shrink_with_fsdp() -> None:
+    model = _model("7b.yaml")
+    one = memory_per_device(model, mesh_axis_sizes((1, 1, 1, 1)))
+    total = param_counts(model).total
+    assert one.params == total * 4
+    assert one.optimizer == total * 8
+    eight = memory_per_device(model, mesh_axis_sizes((1, 8, 1, 1)))
+    # Everything but the small norms is sharded 8 ways.
+    norms = (2 * 32 + 1) * 4096 * 4
+    assert eight.params == (one.params - norms) // 8 + norms
+    # sp shares the weights like fsdp does; dp replicates them.
+    assert memory_per_device(model, mesh_axis_sizes((1, 2, 4, 1))) == eight
+    assert memory_per_device(model, mesh_axis_sizes((8, 1, 1, 1))) == one
+    bf16 = memory_per_device(
+        _model("7b.yaml", "model.param_dtype=bfloat16"), mesh_axis_sizes((1, 8, 1, 1))
+    )
+    assert bf16.params * 2 == eight.params and bf16.optimizer == eight.optimizer

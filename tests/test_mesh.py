@@ -1,0 +1,119 @@
+"""Mesh shapes, the logical axis rules, and shardings on 8 simulated CPU devices."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+from lwm.mesh import (
+    LOGICAL_AXIS_RULES,
+    MESH_AXES,
+    MeshError,
+    logical_sharding,
+    logical_to_spec,
+    make_mesh,
+    mesh_axis_sizes,
+    parse_mesh_shape,
+    shard_bytes,
+    shard_shape,
+)
+
+
+@pytest.mark.parametrize(
+    ("spec", "devices", "expected"),
+    [
+        ("1,-1,1,1", 8, (1, 8, 1, 1)),
+        ("1,-1,4,1", 8, (1, 2, 4, 1)),
+        (" 2, 1, -1, 2 ", 8, (2, 1, 2, 2)),
+        ("1,2,2,2", 8, (1, 2, 2, 2)),
+        ((1, -1, 1, 1), 1, (1, 1, 1, 1)),
+        ([8, 1, 1, 1], 8, (8, 1, 1, 1)),
+    ],
+)
+def test_parse_mesh_shape(spec, devices, expected) -> None:
+    assert parse_mesh_shape(spec, devices) == expected
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("1,2,2,3", "mesh shape '1,2,2,3' needs 12 devices but 8 are available"),
+        ("1,-1,3,1", "mesh shape '1,-1,3,1': 8 devices cannot be split evenly"),
+        ("1,-1,-1,1", "mesh shape '1,-1,-1,1' has more than one -1"),
+        (
+            "1,0,8,1",
+            "mesh shape '1,0,8,1': axis sizes must be positive integers or a single -1, got 0",
+        ),
+        ("1,-2,4,1", "got -2"),
+        ("1,2.5,4,1", "mesh shape '1,2.5,4,1': '2.5' is not an integer"),
+        ("1,x,4,1", "'x' is not an integer"),
+        ("1,,4,1", "'' is not an integer"),
+        (
+            "1,-1,4",
+            "mesh shape '1,-1,4' must have 4 comma-separated integers (dp,fsdp,sp,tp), got 3",
+        ),
+        ("1,1,1,1,8", "got 5"),
+        ((1, 2.0, 4, 1), "'2.0' is not an integer"),
+    ],
+)
+def test_parse_mesh_shape_errors(spec, message) -> None:
+    with pytest.raises(MeshError) as info:
+        parse_mesh_shape(spec, 8)
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_make_mesh_on_8_devices() -> None:
+    assert jax.device_count() == 8
+    mesh = make_mesh("1,2,-1,2")
+    assert mesh.axis_names == MESH_AXES
+    assert dict(mesh.shape) == {"dp": 1, "fsdp": 2, "sp": 2, "tp": 2}
+    assert mesh.axis_types == (AxisType.Auto,) * 4
+    assert make_mesh("1,-1,1,1", devices=jax.devices()[:2]).shape["fsdp"] == 2
+    with pytest.raises(MeshError, match="needs 16 devices but 8 are available"):
+        make_mesh("2,2,2,2")
+
+
+def test_logical_to_spec() -> None:
+    assert logical_to_spec(("embed", "mlp")) == PartitionSpec(("fsdp", "sp"), "tp")
+    assert logical_to_spec(("layers", "embed", "heads")) == PartitionSpec(
+        None, ("fsdp", "sp"), "tp"
+    )
+    assert logical_to_spec(("batch", "length", "act_embed")) == PartitionSpec(
+        ("dp", "fsdp"), "sp", None
+    )
+    assert logical_to_spec(("norm",)) == PartitionSpec(None)
+    assert logical_to_spec((None, "vocab")) == PartitionSpec(None, "tp")
+    with pytest.raises(MeshError, match="unknown logical axis 'embd'; known axes: act_embed"):
+        logical_to_spec(("embd", "mlp"))
+    with pytest.raises(MeshError, match="use mesh axis 'tp' twice"):
+        logical_to_spec(("heads", "mlp"))
+    with pytest.raises(MeshError, match="use mesh axis 'fsdp' twice"):
+        logical_to_spec(("batch", "embed"))
+
+
+def test_rules_only_name_mesh_axes() -> None:
+    for value in LOGICAL_AXIS_RULES.values():
+        axes = () if value is None else (value,) if isinstance(value, str) else value
+        assert set(axes) <= set(MESH_AXES)
+
+
+def test_device_put_with_logical_sharding() -> None:
+    mesh = make_mesh("1,2,2,2")
+    sharding = logical_sharding(mesh, ("embed", "mlp"))
+    assert isinstance(sharding, NamedSharding)
+    assert sharding.spec == PartitionSpec(("fsdp", "sp"), "tp")
+    x = jax.device_put(jnp.arange(16 * 6, dtype=jnp.float32).reshape(16, 6), sharding)
+    assert {s.data.shape for s in x.addressable_shards} == {(4, 3)}
+    assert len(x.addressable_shards) == 8
+    assert shard_shape(x.shape, sharding.spec, mesh.shape) == (4, 3)
+    np.testing.assert_array_equal(np.asarray(x), np.arange(96).reshape(16, 6))
+
+
+def test_shard_shape_rounds_up_for_planned_meshes() -> None:
+    sizes = mesh_axis_sizes((1, 4, 2, 4))
+    spec = logical_to_spec(("embed", "vocab"))
+    assert shard_shape((4096, 32001), spec, sizes) == (512, 8001)
+    assert shard_bytes((4096, 32001), spec, sizes, 2) == 512 * 8001 * 2
+    assert shard_shape((3, 5), PartitionSpec(), sizes) == (3, 5)
