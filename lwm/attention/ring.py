@@ -1,0 +1,163 @@
+"""Ring attention: blockwise attention with the sequence sharded over a mesh axis.
+
+Each device keeps its queries; key/value chunks (with their positions and segment ids) travel
+around the ring with `ppermute`, one hop per step, and each device folds the visiting chunk
+into float32 softmax statistics. The backward pass sends the chunks around again, and their
+key/value gradients travel with them, arriving home after the last step. Only the K/V heads
+travel (grouped-query attention). Block pairs whose mask is empty are skipped, so with the
+zigzag layout (`lwm.attention.layout`) every device does the same causal work at every step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from lwm.attention._common import check_qkv
+from lwm.attention.blockwise import attention_core, prepare_inputs
+
+
+def ring_attention_local(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    axis_name: str = "sp",
+    causal: bool = True,
+    q_positions: jax.Array | None = None,
+    kv_positions: jax.Array | None = None,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    block_q: int = 512,
+    block_k: int = 512,
+    scale: float | None = None,
+    precision: lax.Precision | None = None,
+) -> jax.Array:
+    """Ring attention on local shards; call inside `jax.shard_map` with ``axis_name`` bound.
+
+    Arguments are this device's shards (``[batch, seq/sp, heads, head_dim]``, positions
+    ``[batch, seq/sp]``). Positions default to the contiguous layout (shard i holds tokens
+    ``i*len .. (i+1)*len-1``); pass the permuted positions when using zigzag or striped layouts.
+    """
+    b, s_local = q.shape[0], q.shape[1]
+    if q_positions is None or kv_positions is None:
+        offset = lax.axis_index(axis_name) * s_local
+        default = offset + jnp.broadcast_to(jnp.arange(s_local, dtype=jnp.int32), (b, s_local))
+        q_positions = default if q_positions is None else q_positions
+        kv_positions = default if kv_positions is None else kv_positions
+    args, spec = prepare_inputs(
+        q,
+        k,
+        v,
+        causal=causal,
+        q_positions=q_positions,
+        kv_positions=kv_positions,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        block_q=block_q,
+        block_k=block_k,
+        scale=scale,
+        precision=precision,
+    )
+    return attention_core(*args, spec, axis_name)
+
+
+def _present(mesh: Mesh, axes: str | Sequence[str] | None):
+    if axes is None:
+        return None
+    names = (axes,) if isinstance(axes, str) else tuple(axes)
+    kept = tuple(a for a in names if a in mesh.axis_names)
+    if not kept:
+        return None
+    return kept[0] if len(kept) == 1 else kept
+
+
+def _axes_size(mesh: Mesh, axes) -> int:
+    if axes is None:
+        return 1
+    names = (axes,) if isinstance(axes, str) else axes
+    size = 1
+    for a in names:
+        size *= mesh.shape[a]
+    return size
+
+
+def ring_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    mesh: Mesh,
+    causal: bool = True,
+    q_positions: jax.Array | None = None,
+    kv_positions: jax.Array | None = None,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    block_q: int = 512,
+    block_k: int = 512,
+    axis_name: str = "sp",
+    batch_axes: str | Sequence[str] | None = ("dp", "fsdp"),
+    head_axis: str | None = "tp",
+    scale: float | None = None,
+    precision: lax.Precision | None = None,
+) -> jax.Array:
+    """Ring attention on global arrays: sequence over ``axis_name``, batch over ``batch_axes``,
+    heads over ``head_axis`` (axes missing from the mesh are ignored). Same semantics as
+    `dense_attention` on the same (possibly permuted) token order."""
+    check_qkv(q, k, v)
+    if axis_name not in mesh.axis_names:
+        raise ValueError(
+            f"ring attention axis '{axis_name}' is not in the mesh axes {mesh.axis_names}"
+        )
+    batch_axes = _present(mesh, batch_axes)
+    head_axis = _present(mesh, head_axis)
+    sp = mesh.shape[axis_name]
+    b, s, h, _ = q.shape
+    for what, size, parts, axes in (
+        ("sequence length", s, sp, axis_name),
+        ("key/value length", k.shape[1], sp, axis_name),
+        ("batch", b, _axes_size(mesh, batch_axes), batch_axes),
+        ("key/value heads", k.shape[2], _axes_size(mesh, head_axis), head_axis),
+    ):
+        if size % parts:
+            raise ValueError(
+                f"ring attention: {what} {size} is not divisible by the {parts} devices of "
+                f"mesh axes {axes}"
+            )
+    if q_positions is None:
+        q_positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    if kv_positions is None:
+        kv_positions = jnp.broadcast_to(jnp.arange(k.shape[1], dtype=jnp.int32), (b, k.shape[1]))
+
+    x_spec = P(batch_axes, axis_name, head_axis, None)
+    t_spec = P(batch_axes, axis_name)
+    has_seg = q_segment_ids is not None or kv_segment_ids is not None
+    kw = dict(
+        axis_name=axis_name,
+        causal=causal,
+        block_q=block_q,
+        block_k=block_k,
+        scale=scale,
+        precision=precision,
+    )
+
+    def local(q, k, v, qp, kp, *segs):
+        qs, ks = segs if segs else (None, None)
+        return ring_attention_local(
+            q, k, v, q_positions=qp, kv_positions=kp, q_segment_ids=qs, kv_segment_ids=ks, **kw
+        )
+
+    args = [q, k, v, q_positions, kv_positions]
+    specs = [x_spec, x_spec, x_spec, t_spec, t_spec]
+    if has_seg:
+        if q_segment_ids is None or kv_segment_ids is None:
+            raise ValueError("pass both q_segment_ids and kv_segment_ids, or neither")
+        args += [q_segment_ids, kv_segment_ids]
+        specs += [t_spec, t_spec]
+    fn = jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=x_spec, check_vma=True)
+    return fn(*args)
