@@ -102,3 +102,11 @@ def ring_step_balance(work: np.ndarray) -> float:
     """Ring steps are synchronised by the ppermute: time ~ sum over steps of the busiest device.
     Returns that over the mean work per device (1.0 = no device ever waits)."""
     return float(work.max(axis=0).sum() / work.sum(axis=1).mean())
+
+
+def apply_layout(arrays, perm: np.ndarray):
+    """Permute the sequence axis (axis 1) of every ``[batch, seq, ...]`` array in a pytree."""
+    import jax
+
+    index = np.asarray(perm)
+    return jax.tree.map(lambda x: x[:, index], arrays)

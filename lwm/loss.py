@@ -1,0 +1,88 @@
+"""LWM's modality-balanced next-token loss and per-modality accuracy.
+
+Targets are made in the original token order (`next_token_targets`), before any permutation
+of the sequence (zigzag), so "next token" always means the next token of the same document:
+a target is dropped where the following token belongs to another segment, at the end of the
+sequence, and where ``loss_mask`` of the target is 0 (prompts, questions, padding).
+
+The loss is LWM's: the mean cross-entropy over text targets (text head) and the mean over
+vision targets (vision head), combined with weights (LWM: 0.5 and 0.5).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class Targets(NamedTuple):
+    tokens: jax.Array  # [batch, seq] int32: the token to predict at each position
+    is_vision: jax.Array  # [batch, seq] bool: the target is a vision token
+    weight: jax.Array  # [batch, seq] float32: 1 where the position is trained, else 0
+
+
+def next_token_targets(
+    tokens: jax.Array,
+    vision_mask: jax.Array,
+    loss_mask: jax.Array,
+    segment_ids: jax.Array | None = None,
+) -> Targets:
+    """Targets for every position of ``[batch, seq]`` streams in their original order."""
+
+    def shift(x, fill):
+        return jnp.concatenate([x[:, 1:], jnp.full_like(x[:, :1], fill)], axis=1)
+
+    weight = shift(jnp.asarray(loss_mask, jnp.float32), 0.0)
+    if segment_ids is not None:
+        same_doc = shift(segment_ids, -1) == segment_ids
+        weight = weight * same_doc.astype(jnp.float32)
+    return Targets(
+        tokens=shift(jnp.asarray(tokens, jnp.int32), 0),
+        is_vision=shift(jnp.asarray(vision_mask, bool), False),
+        weight=weight,
+    )
+
+
+def _cross_entropy(logits: jax.Array, targets: jax.Array, weight: jax.Array):
+    """Summed cross-entropy, summed correct predictions and the number of weighted targets."""
+    logits = logits.astype(jnp.float32)
+    targets = jnp.clip(targets, 0, logits.shape[-1] - 1)
+    logz = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    nll = (logz - picked) * weight
+    correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32) * weight
+    return nll.sum(), correct.sum(), weight.sum()
+
+
+def lwm_loss(
+    text_logits: jax.Array,
+    vision_logits: jax.Array,
+    targets: Targets,
+    *,
+    text_weight: float = 0.5,
+    vision_weight: float = 0.5,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """``text_weight * mean text CE + vision_weight * mean vision CE`` and metrics.
+
+    A modality with no target in the batch contributes 0 (as in LWM). Metrics: the two
+    losses, the two accuracies, and the target counts.
+    """
+    text_w = targets.weight * (~targets.is_vision)
+    vision_w = targets.weight * targets.is_vision
+    t_nll, t_correct, t_n = _cross_entropy(text_logits, targets.tokens, text_w)
+    v_nll, v_correct, v_n = _cross_entropy(vision_logits, targets.tokens, vision_w)
+    t_den, v_den = jnp.maximum(t_n, 1.0), jnp.maximum(v_n, 1.0)
+    text_loss, vision_loss = t_nll / t_den, v_nll / v_den
+    loss = text_weight * text_loss + vision_weight * vision_loss
+    metrics = {
+        "loss": loss,
+        "text_loss": text_loss,
+        "vision_loss": vision_loss,
+        "text_accuracy": t_correct / t_den,
+        "vision_accuracy": v_correct / v_den,
+        "text_tokens": t_n,
+        "vision_tokens": v_n,
+    }
+    return loss, metrics

@@ -1,0 +1,317 @@
+"""The LWM transformer in Flax NNX: LLaMA-2 blocks with a text and a vision embedding and head.
+
+Per position, ``vision_mask`` picks the embedding table (``embed_text`` or ``embed_vision``);
+the model returns both text and vision logits, and the loss uses the head of the target's
+modality (as LWM's ``FlaxVideoLLaMA``). Rotary embeddings are driven by the given positions,
+so packed documents and permuted (zigzag) layouts need nothing special. Parameter names,
+shapes and logical axes come from the one table in `lwm.info.param_specs`.
+
+    model = create_model(cfg, mesh=mesh, seed=0)      # parameters born sharded
+    text_logits, vision_logits = model(tokens, vision_mask, positions, segment_ids)
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from lwm.attention import blockwise_attention, dense_attention, ring_attention
+from lwm.config import ModelConfig
+from lwm.info import ParamSpec, layer_param_specs, param_specs
+from lwm.mesh import logical_sharding, logical_to_spec
+
+REMAT_POLICIES = {
+    "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "everything_saveable": jax.checkpoint_policies.everything_saveable,
+}
+
+
+def _dtype(name: str) -> jnp.dtype:
+    return jnp.dtype(name)
+
+
+def _param(rngs: nnx.Rngs, spec: ParamSpec, cfg: ModelConfig, stack: int | None) -> nnx.Param:
+    """A parameter of ``spec`` (with a leading ``layers`` axis when stacked for scanning)."""
+    shape, axes = spec.shape, spec.axes
+    if stack is not None:
+        shape, axes = (stack, *shape), ("layers", *axes)
+    dtype = _dtype(cfg.param_dtype)
+    if axes[-1] == "norm":
+        value = jnp.ones(shape, dtype)
+    else:
+        value = (cfg.initializer_range * jax.random.normal(rngs.params(), shape)).astype(dtype)
+    return nnx.Param(value, axes=axes)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, stack: int | None = None):
+        specs = layer_param_specs(cfg)
+        self.q = _param(rngs, specs["attn.q"], cfg, stack)
+        self.k = _param(rngs, specs["attn.k"], cfg, stack)
+        self.v = _param(rngs, specs["attn.v"], cfg, stack)
+        self.o = _param(rngs, specs["attn.o"], cfg, stack)
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, stack: int | None = None):
+        specs = layer_param_specs(cfg)
+        self.gate = _param(rngs, specs["mlp.gate"], cfg, stack)
+        self.up = _param(rngs, specs["mlp.up"], cfg, stack)
+        self.down = _param(rngs, specs["mlp.down"], cfg, stack)
+
+
+class Block(nnx.Module):
+    """One pre-norm transformer block. With ``stack=L`` it holds all L blocks' parameters
+    stacked along a leading axis, for `jax.lax.scan`."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, stack: int | None = None):
+        specs = layer_param_specs(cfg)
+        self.attn_norm = _param(rngs, specs["attn_norm"], cfg, stack)
+        self.attn = Attention(cfg, rngs, stack)
+        self.mlp_norm = _param(rngs, specs["mlp_norm"], cfg, stack)
+        self.mlp = MLP(cfg, rngs, stack)
+
+
+# ---------------------------------------------------------------------------------------------
+# Functional pieces (operate on arrays, so the scanned and unscanned paths share them)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """cos/sin ``[batch, seq, 1, head_dim]`` (float32) for the rotate-half convention."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    xf = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
+    return (xf * cos + rotated * sin).astype(x.dtype)
+
+
+class LWMModel(nnx.Module):
+    """LLaMA-2 transformer over interleaved text and vision tokens (LWM's FlaxVideoLLaMA)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, mesh: Mesh | None = None):
+        self.cfg = cfg
+        self.mesh = mesh
+        specs = param_specs(cfg)
+        self.embed_text = _param(rngs, specs["embed_text"], cfg, None)
+        self.embed_vision = _param(rngs, specs["embed_vision"], cfg, None)
+        if cfg.scan_layers:
+            self.layers = Block(cfg, rngs, stack=cfg.num_layers)
+        else:
+            self.layers = nnx.List([Block(cfg, rngs) for _ in range(cfg.num_layers)])
+        self.final_norm = _param(rngs, specs["final_norm"], cfg, None)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = _param(rngs, specs["lm_head"], cfg, None)
+        if not cfg.tie_vision_embeddings:
+            self.vision_head = _param(rngs, specs["vision_head"], cfg, None)
+
+    # -- sharding helpers -------------------------------------------------------------------
+
+    def _constrain(self, x: jax.Array, *logical: str | None) -> jax.Array:
+        if self.mesh is None:
+            return x
+        return jax.lax.with_sharding_constraint(x, logical_sharding(self.mesh, logical))
+
+    def _weight(self, param: nnx.Param, dtype) -> jax.Array:
+        """A weight gathered over its ``embed`` (FSDP) dimension, still split over ``tp``."""
+        w = param[...].astype(dtype)
+        if self.mesh is None:
+            return w
+        axes = param.get_metadata()["axes"][-w.ndim :]
+        return self._constrain(w, *(None if a == "embed" else a for a in axes))
+
+    def _attention(self, q, k, v, positions, segment_ids):
+        cfg = self.cfg
+        kw = dict(
+            q_positions=positions,
+            kv_positions=positions,
+            q_segment_ids=segment_ids,
+            kv_segment_ids=segment_ids,
+        )
+        blocks = dict(block_q=cfg.block_q, block_k=cfg.block_k)
+        if cfg.attention == "dense":
+            return dense_attention(q, k, v, **kw)
+        if cfg.attention == "ring" and self.mesh is not None:
+            return ring_attention(q, k, v, mesh=self.mesh, **kw, **blocks)
+        if self.mesh is None:
+            return blockwise_attention(q, k, v, **kw, **blocks)
+        # Blockwise on a mesh: each device attends its batch/head slice over the whole sequence.
+        batch, heads = logical_to_spec(("batch",))[0], logical_to_spec(("act_heads",))[0]
+        x_spec, t_spec = P(batch, None, heads, None), P(batch, None)
+        fn = partial(blockwise_attention, **blocks)
+        args = [q, k, v, positions, positions]
+        specs = [x_spec, x_spec, x_spec, t_spec, t_spec]
+        if segment_ids is not None:
+            args += [segment_ids, segment_ids]
+            specs += [t_spec, t_spec]
+
+        def local(q, k, v, qp, kp, *segs):
+            qs, ks = segs if segs else (None, None)
+            return fn(q, k, v, q_positions=qp, kv_positions=kp, q_segment_ids=qs, kv_segment_ids=ks)
+
+        return jax.shard_map(
+            local, mesh=self.mesh, in_specs=tuple(specs), out_specs=x_spec, check_vma=True
+        )(*args)
+
+    # -- the block --------------------------------------------------------------------------
+
+    def _block(self, p: Block, x, cos, sin, positions, segment_ids):
+        cfg = self.cfg
+        dt = x.dtype
+        b, s, _ = x.shape
+        h = rms_norm(x, p.attn_norm[...], cfg.rms_norm_eps)
+        q = (h @ self._weight(p.attn.q, dt)).reshape(b, s, cfg.num_heads, cfg.head_dim)
+        k = (h @ self._weight(p.attn.k, dt)).reshape(b, s, cfg.num_kv_heads, cfg.head_dim)
+        v = (h @ self._weight(p.attn.v, dt)).reshape(b, s, cfg.num_kv_heads, cfg.head_dim)
+        q = self._constrain(apply_rope(q, cos, sin), "batch", "length", "act_heads", None)
+        k = self._constrain(apply_rope(k, cos, sin), "batch", "length", "act_kv_heads", None)
+        v = self._constrain(v, "batch", "length", "act_kv_heads", None)
+        o = self._attention(q, k, v, positions, segment_ids).reshape(b, s, cfg.q_size)
+        x = x + self._constrain(o @ self._weight(p.attn.o, dt), "batch", "length", "act_embed")
+        h = rms_norm(x, p.mlp_norm[...], cfg.rms_norm_eps)
+        return x + self._mlp(p.mlp, h)
+
+    def _mlp(self, p: MLP, h: jax.Array) -> jax.Array:
+        dt = h.dtype
+        gate, up, down = (self._weight(w, dt) for w in (p.gate, p.up, p.down))
+
+        def swiglu(h):
+            a = self._constrain(h @ gate, "batch", "length", "act_mlp")
+            u = self._constrain(h @ up, "batch", "length", "act_mlp")
+            return self._constrain((jax.nn.silu(a) * u) @ down, "batch", "length", "act_embed")
+
+        chunks = self.cfg.mlp_chunk_size and h.shape[1] // self.cfg.mlp_chunk_size
+        if not chunks or chunks <= 1:
+            return swiglu(h)
+        # Blockwise MLP: token j goes to chunk j % chunks, so every chunk keeps the sequence
+        # sharding; only one chunk's [batch, seq/chunks, intermediate] is live at a time.
+        b, s, d = h.shape
+        if s % chunks:
+            raise ValueError(f"sequence length {s} is not divisible into {chunks} MLP chunks")
+        hc = h.reshape(b, s // chunks, chunks, d)
+        out = jax.lax.map(jax.checkpoint(swiglu), jnp.moveaxis(hc, 2, 0))
+        return jnp.moveaxis(out, 0, 2).reshape(b, s, d)
+
+    # -- forward ----------------------------------------------------------------------------
+
+    def hidden_states(
+        self,
+        tokens: jax.Array,
+        vision_mask: jax.Array,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+    ) -> jax.Array:
+        """Final normalised hidden states ``[batch, seq, hidden]`` in the compute dtype."""
+        cfg = self.cfg
+        dt = _dtype(cfg.dtype)
+        b, s = tokens.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+        tokens = self._constrain(tokens, "batch", "length")
+        vision_mask = self._constrain(vision_mask.astype(bool), "batch", "length")
+        text_ids = jnp.clip(tokens, 0, cfg.text_vocab_size - 1)
+        vision_ids = jnp.clip(tokens, 0, cfg.vision_vocab_size - 1)
+        x = jnp.where(
+            vision_mask[..., None],
+            jnp.take(self._weight(self.embed_vision, dt), vision_ids, axis=0),
+            jnp.take(self._weight(self.embed_text, dt), text_ids, axis=0),
+        )
+        x = self._constrain(x, "batch", "length", "act_embed")
+        cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
+
+        def layer(x, block):
+            return self._block(block, x, cos, sin, positions, segment_ids)
+
+        if cfg.remat_policy != "none":
+            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat_policy])
+
+        if cfg.scan_layers:
+            graphdef, stacked = nnx.split(self.layers)
+
+            def body(x, layer_state):
+                return layer(x, nnx.merge(graphdef, layer_state)), None
+
+            x, _ = jax.lax.scan(body, x, stacked)
+        else:
+            for block in self.layers:
+                x = layer(x, block)
+        return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
+
+    def head_weights(self, dtype) -> tuple[jax.Array, jax.Array]:
+        """The text and vision heads ``[hidden, vocab]`` (transposed embeddings when tied)."""
+        cfg = self.cfg
+        text = self.embed_text if cfg.tie_word_embeddings else self.lm_head
+        vision = self.embed_vision if cfg.tie_vision_embeddings else self.vision_head
+        text_w, vision_w = self._weight(text, dtype), self._weight(vision, dtype)
+        return (
+            text_w.T if cfg.tie_word_embeddings else text_w,
+            vision_w.T if cfg.tie_vision_embeddings else vision_w,
+        )
+
+    def logits(self, hidden: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(text_logits, vision_logits) in float32 from hidden states."""
+        out = []
+        for w in self.head_weights(hidden.dtype):
+            y = jnp.einsum("bsd,dv->bsv", hidden, w, preferred_element_type=jnp.float32)
+            out.append(self._constrain(y, "batch", "length", "act_vocab"))
+        return out[0], out[1]
+
+    def __call__(
+        self,
+        tokens: jax.Array,
+        vision_mask: jax.Array,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+    ) -> tuple[jax.Array, jax.Array]:
+        """``tokens, vision_mask [batch, seq]`` -> (text_logits, vision_logits), float32."""
+        return self.logits(self.hidden_states(tokens, vision_mask, positions, segment_ids))
+
+
+# ---------------------------------------------------------------------------------------------
+# Creation with shardings
+
+
+def _is_variable(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def state_shardings(state: nnx.State, mesh: Mesh) -> nnx.State:
+    """A NamedSharding for every parameter, from its logical ``axes`` metadata."""
+
+    def sharding(v):
+        axes = v.get_metadata().get("axes")
+        return NamedSharding(mesh, logical_to_spec(axes) if axes else P())
+
+    return jax.tree.map(sharding, state, is_leaf=_is_variable)
+
+
+def create_model(cfg: ModelConfig, *, mesh: Mesh | None = None, seed: int = 0) -> LWMModel:
+    """Initialise the model. With a mesh, every parameter is created directly in its shards
+    (a jitted initialiser with ``out_shardings``): no host ever holds a whole weight."""
+
+    def make() -> LWMModel:
+        return LWMModel(cfg, rngs=nnx.Rngs(seed), mesh=mesh)
+
+    if mesh is None:
+        return make()
+    graphdef, abstract = nnx.split(nnx.eval_shape(make))
+    init = jax.jit(lambda: nnx.state(make()), out_shardings=state_shardings(abstract, mesh))
+    return nnx.merge(graphdef, init())
