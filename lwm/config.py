@@ -38,9 +38,11 @@ class ConfigError(ValueError):
 
 
 class ModelConfig(BaseModel):
-    """LLaMA-style transformer with separate text and vision embeddings and heads (as in LWM)."""
+    """LLaMA-style transformer with separate text and vision embeddings and heads (as in LWM).
 
-    model_config = ConfigDict(extra="forbid")
+    Frozen (and so hashable): the model keeps it as static structure under `jax.jit`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     text_vocab_size: PositiveInt = 32000
     vision_vocab_size: PositiveInt = 8448
@@ -78,7 +80,7 @@ class ModelConfig(BaseModel):
                     f"hidden_size ({self.hidden_size}) must be divisible by num_heads "
                     f"({self.num_heads}) when head_dim is not given"
                 )
-            self.head_dim = self.hidden_size // self.num_heads
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
         return self
 
     @property

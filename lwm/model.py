@@ -173,7 +173,10 @@ class LWMModel(nnx.Module):
 
     # -- the block --------------------------------------------------------------------------
 
-    def _block(self, p: Block, x, cos, sin, positions, segment_ids):
+    def _block(self, p: Block, x, cos, sin, attend, layer_in):
+        """One block. ``attend(q, k, v, layer_in) -> (o, layer_out)`` is the attention step:
+        plain attention for training, attention that also returns K/V for a prefill, or an
+        update of this layer's KV cache and attention against it for decoding."""
         cfg = self.cfg
         dt = x.dtype
         b, s, _ = x.shape
@@ -184,10 +187,11 @@ class LWMModel(nnx.Module):
         q = self._constrain(apply_rope(q, cos, sin), "batch", "length", "act_heads", None)
         k = self._constrain(apply_rope(k, cos, sin), "batch", "length", "act_kv_heads", None)
         v = self._constrain(v, "batch", "length", "act_kv_heads", None)
-        o = self._attention(q, k, v, positions, segment_ids).reshape(b, s, cfg.q_size)
+        o, layer_out = attend(q, k, v, layer_in)
+        o = o.reshape(b, s, cfg.q_size)
         x = x + self._constrain(o @ self._weight(p.attn.o, dt), "batch", "length", "act_embed")
         h = rms_norm(x, p.mlp_norm[...], cfg.rms_norm_eps)
-        return x + self._mlp(p.mlp, h)
+        return x + self._mlp(p.mlp, h), layer_out
 
     def _mlp(self, p: MLP, h: jax.Array) -> jax.Array:
         dt = h.dtype
@@ -212,6 +216,61 @@ class LWMModel(nnx.Module):
 
     # -- forward ----------------------------------------------------------------------------
 
+    def embed(self, tokens: jax.Array, vision_mask: jax.Array) -> jax.Array:
+        """Per position, the vision or the text embedding of the token (compute dtype)."""
+        cfg = self.cfg
+        dt = _dtype(cfg.dtype)
+        tokens = self._constrain(tokens, "batch", "length")
+        vision_mask = self._constrain(vision_mask.astype(bool), "batch", "length")
+        x = jnp.where(
+            vision_mask[..., None],
+            jnp.take(
+                self._weight(self.embed_vision, dt),
+                jnp.clip(tokens, 0, cfg.vision_vocab_size - 1),
+                axis=0,
+            ),
+            jnp.take(
+                self._weight(self.embed_text, dt),
+                jnp.clip(tokens, 0, cfg.text_vocab_size - 1),
+                axis=0,
+            ),
+        )
+        return self._constrain(x, "batch", "length", "act_embed")
+
+    def run_layers(self, x: jax.Array, positions: jax.Array, attend, layers_in=None):
+        """All blocks over ``x`` (scanned when ``scan_layers``), then the final norm.
+
+        ``layers_in`` holds one input per layer for ``attend`` (stacked along a leading layer
+        axis); the per-layer outputs of ``attend`` come back stacked the same way.
+        """
+        cfg = self.cfg
+        cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
+
+        def layer(x, block, layer_in):
+            return self._block(block, x, cos, sin, attend, layer_in)
+
+        if cfg.remat_policy != "none":
+            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat_policy])
+
+        if cfg.scan_layers:
+            graphdef, stacked = nnx.split(self.layers)
+
+            def body(x, xs):
+                layer_state, layer_in = xs
+                return layer(x, nnx.merge(graphdef, layer_state), layer_in)
+
+            x, layers_out = jax.lax.scan(body, x, (stacked, layers_in))
+        else:
+            outs = []
+            for i, block in enumerate(self.layers):
+                layer_in = (
+                    None if layers_in is None else jax.tree.map(lambda a, i=i: a[i], layers_in)
+                )
+                x, out = layer(x, block, layer_in)
+                outs.append(out)
+            layers_out = None if outs[0] is None else jax.tree.map(lambda *a: jnp.stack(a), *outs)
+        return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), layers_out
+
     def hidden_states(
         self,
         tokens: jax.Array,
@@ -220,40 +279,15 @@ class LWMModel(nnx.Module):
         segment_ids: jax.Array | None = None,
     ) -> jax.Array:
         """Final normalised hidden states ``[batch, seq, hidden]`` in the compute dtype."""
-        cfg = self.cfg
-        dt = _dtype(cfg.dtype)
         b, s = tokens.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-        tokens = self._constrain(tokens, "batch", "length")
-        vision_mask = self._constrain(vision_mask.astype(bool), "batch", "length")
-        text_ids = jnp.clip(tokens, 0, cfg.text_vocab_size - 1)
-        vision_ids = jnp.clip(tokens, 0, cfg.vision_vocab_size - 1)
-        x = jnp.where(
-            vision_mask[..., None],
-            jnp.take(self._weight(self.embed_vision, dt), vision_ids, axis=0),
-            jnp.take(self._weight(self.embed_text, dt), text_ids, axis=0),
-        )
-        x = self._constrain(x, "batch", "length", "act_embed")
-        cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
 
-        def layer(x, block):
-            return self._block(block, x, cos, sin, positions, segment_ids)
+        def attend(q, k, v, _):
+            return self._attention(q, k, v, positions, segment_ids), None
 
-        if cfg.remat_policy != "none":
-            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat_policy])
-
-        if cfg.scan_layers:
-            graphdef, stacked = nnx.split(self.layers)
-
-            def body(x, layer_state):
-                return layer(x, nnx.merge(graphdef, layer_state)), None
-
-            x, _ = jax.lax.scan(body, x, stacked)
-        else:
-            for block in self.layers:
-                x = layer(x, block)
-        return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
+        x, _ = self.run_layers(self.embed(tokens, vision_mask), positions, attend)
+        return x
 
     def head_weights(self, dtype) -> tuple[jax.Array, jax.Array]:
         """The text and vision heads ``[hidden, vocab]`` (transposed embeddings when tied)."""

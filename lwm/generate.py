@@ -1,0 +1,310 @@
+"""Generation: prefill with the model's attention, then one jitted decode loop on a KV cache.
+
+The cache is ``[layers, batch, max_len, kv_heads, head_dim]``, sharded like the activations:
+batch over ``(dp, fsdp)``, length over ``sp``, heads over ``tp``. Each decoded token is written
+into its slot in place (a masked select, so no shard moves) and attends the cache with
+`ring_decode_attention`: every ``sp`` device attends its own slice and one reduction combines
+the partial softmax statistics.
+
+Prompts are right-padded ``[batch, prompt]`` arrays with per-row lengths. Two modes:
+
+- ``text``: sample from the text head until a stop token or ``max_new_tokens``.
+- ``vision``: sample codes from the vision head; every ``tokens_per_frame + 1``-th token is
+  forced to ``<eof>`` (``<eov>`` after the last frame), and code positions never sample the
+  markers. With ``cfg_scale`` the logits are ``uncond + scale * (cond - uncond)`` from a second
+  batch of unconditional prompts, as in LWM's ``generate_vision``.
+
+    tokens, lengths = generate(model, prompt, vision_mask, prompt_len, key=jax.random.key(0),
+                               max_new_tokens=64, sampling=Sampling(temperature=0.7, top_p=0.9))
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from lwm.attention.decode import decode_attention_local, ring_decode_attention
+from lwm.model import LWMModel
+
+EOF_ID = 8192  # end of a frame (every frame but the last)
+EOV_ID = 8193  # end of the video, after the last frame
+NUM_CODES = 8192
+
+
+class Sampling(NamedTuple):
+    """``temperature == 0`` is greedy; ``top_k == 0`` and ``top_p == 1`` disable those filters."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+
+GREEDY = Sampling()
+
+
+class KVCache(NamedTuple):
+    k: jax.Array  # [layers, batch, max_len, kv_heads, head_dim]
+    v: jax.Array
+
+
+def sample_logits(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
+    """One token per row of ``logits [batch, vocab]`` (float32)."""
+    logits = logits.astype(jnp.float32)
+    if sampling.temperature <= 0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / sampling.temperature
+    if sampling.top_k > 0:
+        kth = jax.lax.top_k(logits, sampling.top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if sampling.top_p < 1.0:
+        order = jnp.argsort(-logits, axis=-1)
+        sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        # Keep the smallest prefix whose mass reaches top_p (always at least the top token).
+        mass_before = jnp.cumsum(probs, axis=-1) - probs
+        keep_sorted = mass_before < sampling.top_p
+        keep = (
+            jnp.zeros_like(keep_sorted)
+            .at[jnp.arange(logits.shape[0])[:, None], order]
+            .set(keep_sorted)
+        )
+        logits = jnp.where(keep, logits, -jnp.inf)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def _cache_sharding(model: LWMModel, x: jax.Array) -> jax.Array:
+    return model._constrain(x, None, "batch", "length", "act_kv_heads", None)
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def prefill(
+    model: LWMModel,
+    tokens: jax.Array,
+    vision_mask: jax.Array,
+    prompt_len: jax.Array,
+    max_len: int,
+) -> tuple[KVCache, jax.Array]:
+    """Run the prompt through the model with its own attention (blockwise or ring) and keep
+    each layer's keys and values. Returns the cache and the hidden state of each row's last
+    prompt token."""
+    b, p = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+
+    def attend(q, k, v, _):
+        # Right padding needs no mask: causal attention never looks ahead at it.
+        return model._attention(q, k, v, positions, None), (k, v)
+
+    hidden, (ks, vs) = model.run_layers(model.embed(tokens, vision_mask), positions, attend)
+    pad = [(0, 0), (0, 0), (0, max_len - p), (0, 0), (0, 0)]
+    cache = KVCache(*(_cache_sharding(model, jnp.pad(x, pad)) for x in (ks, vs)))
+    last = jnp.take_along_axis(hidden, (prompt_len - 1)[:, None, None], axis=1)[:, 0]
+    return cache, last
+
+
+def decode_step(
+    model: LWMModel,
+    cache: KVCache,
+    token: jax.Array,
+    is_vision: jax.Array,
+    position: jax.Array,
+) -> tuple[KVCache, jax.Array]:
+    """Feed one token per row at ``position [batch]``; returns the cache and its hidden state."""
+    max_len = cache.k.shape[2]
+    slot = jnp.arange(max_len, dtype=jnp.int32)
+    write = (slot[None, :] == position[:, None])[:, :, None, None]
+    positions = position[:, None]
+
+    def attend(q, k, v, layer_cache):
+        k_cache = jnp.where(write, k.astype(layer_cache[0].dtype), layer_cache[0])
+        v_cache = jnp.where(write, v.astype(layer_cache[1].dtype), layer_cache[1])
+        if model.mesh is not None:
+            o = ring_decode_attention(
+                q, k_cache, v_cache, mesh=model.mesh, cache_len=position + 1, q_positions=positions
+            )
+        else:
+            kv_pos = jnp.broadcast_to(slot, (q.shape[0], max_len))
+            o = decode_attention_local(
+                q,
+                k_cache,
+                v_cache,
+                cache_len=position + 1,
+                q_positions=positions,
+                kv_positions=kv_pos,
+                axis_name=None,
+            )
+        return o, (k_cache, v_cache)
+
+    x = model.embed(token[:, None], is_vision[:, None])
+    hidden, (ks, vs) = model.run_layers(x, positions, attend, layers_in=tuple(cache))
+    return KVCache(_cache_sharding(model, ks), _cache_sharding(model, vs)), hidden[:, 0]
+
+
+class _Loop(NamedTuple):
+    step: jax.Array
+    cache: KVCache
+    hidden: jax.Array
+    out: jax.Array
+    done: jax.Array
+    key: jax.Array
+
+
+def _next_logits(model: LWMModel, hidden: jax.Array, mode: str) -> jax.Array:
+    text_w, vision_w = model.head_weights(hidden.dtype)
+    w = vision_w if mode == "vision" else text_w
+    return jnp.einsum("bd,dv->bv", hidden, w, preferred_element_type=jnp.float32)
+
+
+@partial(
+    jax.jit,
+    static_argnames=(
+        "graphdef",
+        "max_new_tokens",
+        "mode",
+        "sampling",
+        "stop_tokens",
+        "tokens_per_frame",
+        "cfg_scale",
+        "pad_id",
+    ),
+)
+def _generate(
+    graphdef,
+    state,
+    tokens,
+    vision_mask,
+    prompt_len,
+    key,
+    *,
+    max_new_tokens,
+    mode,
+    sampling,
+    stop_tokens,
+    tokens_per_frame,
+    cfg_scale,
+    pad_id,
+):
+    model = nnx.merge(graphdef, state)
+    rows = tokens.shape[0]
+    b = rows // 2 if cfg_scale is not None else rows
+    sp = 1 if model.mesh is None else model.mesh.shape["sp"]
+    max_len = _round_up(tokens.shape[1] + max_new_tokens, sp)
+    cache, hidden = prefill(model, tokens, vision_mask, prompt_len, max_len)
+    stops = jnp.asarray(stop_tokens or (-1,), jnp.int32)
+    frame = tokens_per_frame + 1
+
+    def cond(s: _Loop):
+        return (s.step < max_new_tokens) & ~jnp.all(s.done)
+
+    def body(s: _Loop):
+        key, sub = jax.random.split(s.key)
+        logits = _next_logits(model, s.hidden, mode)
+        if cfg_scale is not None:
+            cond_l, uncond_l = logits[:b], logits[b:]
+            logits = uncond_l + cfg_scale * (cond_l - uncond_l)
+        if mode == "vision":
+            is_marker = (s.step + 1) % frame == 0
+            is_last = s.step + 1 == max_new_tokens
+            marker = jnp.where(is_last, EOV_ID, EOF_ID)
+            code_logits = logits.at[:, NUM_CODES:].set(-jnp.inf)
+            token = jnp.where(is_marker, marker, sample_logits(code_logits, sub, sampling))
+        else:
+            token = sample_logits(logits, sub, sampling)
+        token = jnp.where(s.done, pad_id, token)
+        out = s.out.at[:, s.step].set(token)
+        done = s.done | jnp.isin(token, stops)
+        feed = jnp.concatenate([token, token]) if cfg_scale is not None else token
+        is_vision = jnp.full(feed.shape, mode == "vision")
+        cache, hidden = decode_step(model, s.cache, feed, is_vision, prompt_len + s.step)
+        return _Loop(s.step + 1, cache, hidden, out, done, key)
+
+    init = _Loop(
+        step=jnp.int32(0),
+        cache=cache,
+        hidden=hidden,
+        out=jnp.full((b, max_new_tokens), pad_id, jnp.int32),
+        done=jnp.zeros((b,), bool),
+        key=key,
+    )
+    final = jax.lax.while_loop(cond, body, init)
+    stop_at = jnp.where(
+        jnp.isin(final.out, stops), jnp.arange(max_new_tokens)[None], max_new_tokens
+    ).min(axis=1)
+    lengths = jnp.minimum(stop_at + 1, final.step)
+    return final.out, lengths
+
+
+def generate(
+    model: LWMModel,
+    tokens: jax.Array,
+    vision_mask: jax.Array,
+    prompt_len: jax.Array,
+    *,
+    key: jax.Array,
+    max_new_tokens: int | None = None,
+    mode: Literal["text", "vision"] = "text",
+    sampling: Sampling = GREEDY,
+    stop_tokens: tuple[int, ...] = (),
+    tokens_per_frame: int = 256,
+    num_frames: int | None = None,
+    cfg_scale: float | None = None,
+    uncond_tokens: jax.Array | None = None,
+    uncond_vision_mask: jax.Array | None = None,
+    uncond_len: jax.Array | None = None,
+    pad_id: int = 0,
+) -> tuple[jax.Array, jax.Array]:
+    """Generate ``[batch, max_new_tokens]`` tokens after right-padded prompts.
+
+    Returns the tokens (``pad_id`` after a row stops) and each row's length (including its
+    stop token). In vision mode ``num_frames`` sets ``max_new_tokens`` to
+    ``num_frames * (tokens_per_frame + 1)``. ``cfg_scale`` needs the unconditional prompts.
+    """
+    tokens = jnp.asarray(tokens, jnp.int32)
+    vision_mask = jnp.asarray(vision_mask, bool)
+    prompt_len = jnp.broadcast_to(jnp.asarray(prompt_len, jnp.int32), (tokens.shape[0],))
+    if mode not in ("text", "vision"):
+        raise ValueError(f"unknown generation mode '{mode}'; choose text or vision")
+    if mode == "vision" and num_frames is not None:
+        max_new_tokens = num_frames * (tokens_per_frame + 1)
+    if max_new_tokens is None or max_new_tokens <= 0:
+        raise ValueError(
+            f"max_new_tokens must be a positive integer (or give num_frames in vision mode), "
+            f"got {max_new_tokens}"
+        )
+    if cfg_scale is not None:
+        if uncond_tokens is None or uncond_vision_mask is None or uncond_len is None:
+            raise ValueError("cfg_scale needs uncond_tokens, uncond_vision_mask and uncond_len")
+        width = max(tokens.shape[1], uncond_tokens.shape[1])
+        pad = lambda x: jnp.pad(jnp.asarray(x), [(0, 0), (0, width - x.shape[1])])  # noqa: E731
+        tokens = jnp.concatenate([pad(tokens), pad(jnp.asarray(uncond_tokens, jnp.int32))])
+        vision_mask = jnp.concatenate(
+            [pad(vision_mask), pad(jnp.asarray(uncond_vision_mask, bool))]
+        )
+        uncond_len = jnp.broadcast_to(jnp.asarray(uncond_len, jnp.int32), prompt_len.shape)
+        prompt_len = jnp.concatenate([prompt_len, uncond_len])
+    sp = 1 if model.mesh is None else model.mesh.shape["sp"]
+    width = _round_up(tokens.shape[1], sp)  # ring prefill needs whole shards
+    tokens = jnp.pad(tokens, [(0, 0), (0, width - tokens.shape[1])], constant_values=pad_id)
+    vision_mask = jnp.pad(vision_mask, [(0, 0), (0, width - vision_mask.shape[1])])
+    graphdef, state = nnx.split(model)
+    return _generate(
+        graphdef,
+        state,
+        tokens,
+        vision_mask,
+        prompt_len,
+        key,
+        max_new_tokens=max_new_tokens,
+        mode=mode,
+        sampling=Sampling(*sampling),
+        stop_tokens=tuple(int(t) for t in stop_tokens),
+        tokens_per_frame=tokens_per_frame,
+        cfg_scale=None if cfg_scale is None else float(cfg_scale),
+        pad_id=pad_id,
+    )

@@ -1,0 +1,164 @@
+"""Generation: cached decoding equals full forward passes; sampling filters; vision mode; CFG."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from lwm.config import load_config
+from lwm.generate import EOF_ID, EOV_ID, Sampling, generate, sample_logits
+from lwm.mesh import make_mesh
+from lwm.model import create_model
+
+
+def debug_cfg(**overrides):
+    return load_config("configs/debug.yaml").model.model_copy(update=overrides)
+
+
+def prompts(b=2, p=11, lens=(11, 6), seed=0):
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, 256, (b, p)).astype(np.int32)
+    vision = np.zeros((b, p), bool)
+    vision[:, 2:5] = True  # a few vision codes inside the prompt
+    return jnp.asarray(tokens), jnp.asarray(vision), jnp.asarray(lens, jnp.int32)
+
+
+def greedy_by_full_forward(model, tokens, vision, lens, steps, mode="text", multiple=1):
+    """Reference: append the argmax of a full forward pass, one token at a time (all rows in
+    one right-padded batch of fixed width; causal attention never sees the padding)."""
+    width = -(-(tokens.shape[1] + steps) // multiple) * multiple  # ring needs whole shards
+    seqs = np.zeros((tokens.shape[0], width), np.int32)
+    vis = np.zeros((tokens.shape[0], width), bool)
+    seqs[:, : tokens.shape[1]], vis[:, : tokens.shape[1]] = tokens, vision
+    forward = nnx.jit(lambda m, t, v: m(t, v))
+    n = np.asarray(lens).copy()
+    rows = np.arange(tokens.shape[0])
+    for _ in range(steps):
+        text, vision_logits = forward(model, jnp.asarray(seqs), jnp.asarray(vis))
+        logits = np.asarray(vision_logits if mode == "vision" else text)
+        seqs[rows, n] = logits[rows, n - 1].argmax(-1)
+        vis[rows, n] = mode == "vision"
+        n += 1
+    return [seqs[r, int(lens[r]) : int(lens[r]) + steps].tolist() for r in rows]
+
+
+@pytest.mark.parametrize(
+    "mesh_shape,attention", [(None, "blockwise"), ("1,1,4,2", "ring"), ("1,2,2,2", "ring")]
+)
+def test_greedy_with_cache_equals_full_forward(mesh_shape, attention):
+    mesh = None if mesh_shape is None else make_mesh(mesh_shape)
+    model = create_model(debug_cfg(attention=attention, block_q=4, block_k=4), mesh=mesh)
+    tokens, vision, lens = prompts()
+    out, lengths = generate(model, tokens, vision, lens, key=jax.random.key(0), max_new_tokens=7)
+    sp = 1 if mesh is None else mesh.shape["sp"]
+    ref = greedy_by_full_forward(model, tokens, vision, lens, 7, multiple=sp)
+    assert np.asarray(out).tolist() == ref
+    assert np.asarray(lengths).tolist() == [7, 7]
+
+
+def test_stop_tokens_end_rows_and_pad():
+    model = create_model(debug_cfg())
+    tokens, vision, lens = prompts()
+    free, _ = generate(model, tokens, vision, lens, key=jax.random.key(0), max_new_tokens=6)
+    stop = int(free[0, 2])
+    out, lengths = generate(
+        model,
+        tokens,
+        vision,
+        lens,
+        key=jax.random.key(0),
+        max_new_tokens=6,
+        stop_tokens=(stop,),
+        pad_id=-1,
+    )
+    first = int(np.flatnonzero(np.asarray(free[0]) == stop)[0])
+    assert int(lengths[0]) == first + 1
+    assert np.asarray(out[0, : first + 1]).tolist() == np.asarray(free[0, : first + 1]).tolist()
+    assert (np.asarray(out[0, first + 1 :]) == -1).all()
+
+
+def test_sampling_filters():
+    logits = jnp.asarray(np.random.default_rng(0).normal(size=(1, 50)) * 3, jnp.float32)
+    logits = jnp.repeat(logits, 512, axis=0)
+    keys = jax.random.key(1)
+    greedy = int(jnp.argmax(logits[0]))
+    top3 = set(np.argsort(-np.asarray(logits[0]))[:3].tolist())
+    got_k = set(np.asarray(sample_logits(logits, keys, Sampling(1.0, top_k=3))).tolist())
+    assert got_k <= top3 and len(got_k) > 1
+    assert set(np.asarray(sample_logits(logits, keys, Sampling(1.0, top_k=1))).tolist()) == {greedy}
+    assert set(np.asarray(sample_logits(logits, keys, Sampling(1.0, top_p=1e-6))).tolist()) == {
+        greedy
+    }
+    # top_p keeps the smallest set of tokens whose probability reaches p.
+    probs = np.sort(np.asarray(jax.nn.softmax(logits[0])))[::-1]
+    need = int(np.searchsorted(np.cumsum(probs), 0.8) + 1)
+    got_p = set(np.asarray(sample_logits(logits, keys, Sampling(1.0, top_p=0.8))).tolist())
+    assert got_p <= set(np.argsort(-np.asarray(logits[0]))[:need].tolist())
+    assert len(got_p) > 1
+
+
+def test_vision_mode_forces_frame_markers():
+    model = create_model(debug_cfg())
+    tokens, vision, lens = prompts()
+    out, lengths = generate(
+        model,
+        tokens,
+        vision,
+        lens,
+        key=jax.random.key(2),
+        mode="vision",
+        sampling=Sampling(temperature=1.0),
+        tokens_per_frame=4,
+        num_frames=3,
+    )
+    out = np.asarray(out)
+    assert out.shape == (2, 15) and np.asarray(lengths).tolist() == [15, 15]
+    assert (out[:, [4, 9]] == EOF_ID).all() and (out[:, 14] == EOV_ID).all()
+    codes = np.delete(out, [4, 9, 14], axis=1)
+    assert (codes < EOF_ID).all()
+
+
+def test_cfg_scale_one_equals_conditional_generation():
+    model = create_model(debug_cfg())
+    tokens, vision, lens = prompts()
+    uncond = jnp.zeros((2, 3), jnp.int32)
+    kw = dict(key=jax.random.key(0), mode="vision", tokens_per_frame=4, num_frames=2)
+    plain, _ = generate(model, tokens, vision, lens, **kw)
+    guided, _ = generate(
+        model,
+        tokens,
+        vision,
+        lens,
+        cfg_scale=1.0,
+        uncond_tokens=uncond,
+        uncond_vision_mask=jnp.zeros((2, 3), bool),
+        uncond_len=3,
+        **kw,
+    )
+    assert np.asarray(guided).tolist() == np.asarray(plain).tolist()
+    stronger, _ = generate(
+        model,
+        tokens,
+        vision,
+        lens,
+        cfg_scale=5.0,
+        uncond_tokens=uncond,
+        uncond_vision_mask=jnp.zeros((2, 3), bool),
+        uncond_len=3,
+        **kw,
+    )
+    assert np.asarray(stronger).tolist() != np.asarray(plain).tolist()
+
+
+def test_bad_arguments_are_clear_errors():
+    model = create_model(debug_cfg())
+    tokens, vision, lens = prompts()
+    with pytest.raises(ValueError, match="unknown generation mode 'audio'"):
+        generate(model, tokens, vision, lens, key=jax.random.key(0), max_new_tokens=2, mode="audio")
+    with pytest.raises(ValueError, match="cfg_scale needs"):
+        generate(
+            model, tokens, vision, lens, key=jax.random.key(0), max_new_tokens=2, cfg_scale=2.0
+        )
