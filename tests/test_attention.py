@@ -350,3 +350,29 @@ def test_layout_permutations():
     assert (perm[inverse_permutation(perm)] == np.arange(16)).all()
     with pytest.raises(ValueError, match="divisible by 2 x num_shards"):
         zigzag_permutation(12, 4)
+
+
+def test_ring_in_a_differentiated_layer_scan_keeps_linear_memory():
+    """Regression: inside a scan whose xs are differentiated (the model's layer loop), JAX used
+    to hoist the position-only mask computation out of the loop and keep every block pair's
+    mask: O(seq^2) memory. The attention ties positions to activations to prevent it."""
+    mesh = mesh_of((1, 1, 8, 1))
+    s = 8192
+    x = jax.ShapeDtypeStruct((1, s, 4, 32), jnp.float32)
+
+    def attn(q, k, v):
+        return ring_attention(q, k, v, mesh=mesh, block_q=128, block_k=128)
+
+    def plain(q, k, v):
+        return attn(q, k, v).sum()
+
+    def layers(q, k, v):
+        step = lambda c, w: (attn(c * w, k, v), None)  # noqa: E731
+        return jax.lax.scan(step, q, jnp.ones((2,)))[0].sum()
+
+    def temp(fn):
+        g = jax.jit(jax.grad(fn, argnums=(0, 1, 2)))
+        return g.lower(x, x, x).compile().memory_analysis().temp_size_in_bytes
+
+    masks_of_all_block_pairs = (s // 8 // 128) ** 2 * 4 * 128 * 128  # bool, one device
+    assert temp(layers) < 2 * temp(plain) + masks_of_all_block_pairs // 4
