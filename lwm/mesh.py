@@ -190,3 +190,18 @@ def _as_tuple(entry: MeshAxes) -> tuple[str, ...]:
     if isinstance(entry, str):
         return (entry,)
     return tuple(entry)
+
+
+def check_batch_fits(mesh: Mesh, batch_size: int, seq_len: int) -> None:
+    """Batches are sharded batch over (dp, fsdp) and length over sp: both must divide evenly."""
+    data = mesh.shape["dp"] * mesh.shape["fsdp"]
+    if batch_size % data:
+        raise MeshError(
+            f"batch size {batch_size} is not divisible by dp x fsdp = {data} devices of the mesh "
+            f"{dict(mesh.shape)}"
+        )
+    if seq_len % mesh.shape["sp"]:
+        raise MeshError(
+            f"sequence length {seq_len} is not divisible by sp = {mesh.shape['sp']} devices of "
+            f"the mesh {dict(mesh.shape)}"
+        )

@@ -1,0 +1,118 @@
+"""Compile (without running) the training step of a config for a mesh of devices you may not
+have, and print the per-device memory the compiler plans. Lets you check that a context stage
+fits before renting the hardware.
+
+    # 8 simulated CPU devices on this host (LWM-7B at 32K tokens):
+    python scripts/aot_compile.py configs/7b.yaml --seq 32768 --mesh 1,1,8,1
+    # a TPU topology (needs `pip install -e '.[aot]'`, which brings libtpu):
+    TPU_ACCELERATOR_TYPE=v5p-512 TPU_WORKER_HOSTNAMES=localhost \\
+      python scripts/aot_compile.py configs/7b_1m.yaml --topology v5p:8x8x4 --mesh 1,8,32,1
+
+Prints one JSON line with the compiler's per-device sizes (arguments, outputs, temporaries,
+generated code) and the parameter / optimizer bytes per device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def _parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    p.add_argument(
+        "--seq", type=int, default=None, help="tokens per sequence (default: max_seq_len)"
+    )
+    p.add_argument("--batch", type=int, default=1, help="global batch size (sequences)")
+    p.add_argument("--mesh", default=None, help="dp,fsdp,sp,tp (default: the config's)")
+    p.add_argument("--topology", default=None, help="TPU topology, e.g. v4:8x8x8 or v5p:8x8x4")
+    p.add_argument(
+        "--cpu-devices", type=int, default=8, help="simulated CPU devices (no --topology)"
+    )
+    return p.parse_args()
+
+
+def main() -> int:
+    args = _parse()
+    if args.topology is None:
+        os.environ["XLA_FLAGS"] = (
+            os.environ.get("XLA_FLAGS", "")
+            + f" --xla_force_host_platform_device_count={args.cpu_devices}"
+        ).strip()
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+    import jax
+
+    from lwm.config import ConfigError, load_config
+    from lwm.info import memory_per_device
+    from lwm.mesh import MeshError, check_batch_fits, make_mesh
+    from lwm.train_step import abstract_batch, abstract_train_state, make_optimizer, train_step
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+        if args.topology is not None:
+            from jax.experimental import topologies
+
+            devices = topologies.get_topology_desc(
+                platform="tpu", topology_name=args.topology
+            ).devices
+        else:
+            devices = jax.devices()
+        mesh = make_mesh(args.mesh or cfg.mesh.shape, devices=devices)
+        check_batch_fits(mesh, args.batch, args.seq or cfg.model.max_seq_len)
+    except (ConfigError, MeshError, FileNotFoundError) as e:
+        print(f"aot_compile: error: {e}", file=sys.stderr)
+        return 2
+    model_cfg = cfg.model
+    seq = args.seq or model_cfg.max_seq_len
+    if seq > model_cfg.max_seq_len:
+        model_cfg = model_cfg.model_copy(update={"max_seq_len": seq})
+    tx, _ = make_optimizer()
+    t0 = time.perf_counter()
+    graphdef, params, opt_state = abstract_train_state(model_cfg, mesh, tx)
+    batch = abstract_batch(mesh, args.batch, seq)
+    step = jax.jit(
+        lambda p, o, b: train_step(p, o, b, graphdef=graphdef, tx=tx), donate_argnums=(0, 1)
+    )
+    lowered = step.lower(params, opt_state, batch)
+    t1 = time.perf_counter()
+    compiled = lowered.compile()
+    t2 = time.perf_counter()
+    mem = compiled.memory_analysis()
+    planned = memory_per_device(model_cfg, dict(mesh.shape))
+    gib = 2**30
+    record = {
+        "bench": "aot_compile",
+        "config": args.config,
+        "overrides": args.overrides,
+        "platform": devices[0].platform,
+        "device_kind": getattr(devices[0], "device_kind", ""),
+        "topology": args.topology,
+        "devices": len(devices),
+        "mesh": dict(mesh.shape),
+        "seq": seq,
+        "batch": args.batch,
+        "lower_s": round(t1 - t0, 1),
+        "compile_s": round(t2 - t1, 1),
+        "argument_gib": round(mem.argument_size_in_bytes / gib, 3),
+        "output_gib": round(mem.output_size_in_bytes / gib, 3),
+        "temp_gib": round(mem.temp_size_in_bytes / gib, 3),
+        "code_gib": round(mem.generated_code_size_in_bytes / gib, 3),
+        "alias_gib": round(mem.alias_size_in_bytes / gib, 3),
+        "params_gib_planned": round(planned.params / gib, 3),
+        "adam_gib_planned": round(planned.optimizer / gib, 3),
+    }
+    record["peak_gib_estimate"] = round(
+        record["argument_gib"] + record["output_gib"] - record["alias_gib"] + record["temp_gib"], 3
+    )
+    print(json.dumps(record))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
