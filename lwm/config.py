@@ -6,7 +6,7 @@ import types
 import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar, overload
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -131,20 +131,35 @@ class Config(BaseModel):
 # Loading
 
 
-def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
-    """Load a YAML config (following `base:` links), apply `a.b=value` overrides, validate."""
+RootT = TypeVar("RootT", bound=BaseModel)
+
+
+@overload
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config: ...
+@overload
+def load_config(path: str | Path, overrides: Sequence[str], root: type[RootT]) -> RootT: ...
+def load_config(
+    path: str | Path, overrides: Sequence[str] = (), root: type[BaseModel] = Config
+) -> BaseModel:
+    """Load a YAML config (following `base:` links), apply `a.b=value` overrides, validate.
+
+    `root` is the config class of the file (default `Config`; e.g. `vqgan.config.VQGANConfig`)."""
     data = _load_yaml_with_base(Path(path), ())
     for override in overrides:
-        _apply_override(data, override)
-    return validate_config(data)
+        _apply_override(data, override, root)
+    return validate_config(data, root)
 
 
-def validate_config(data: Mapping[str, Any]) -> Config:
-    """Validate a plain dict into a `Config`, turning pydantic errors into one `ConfigError`."""
+@overload
+def validate_config(data: Mapping[str, Any]) -> Config: ...
+@overload
+def validate_config(data: Mapping[str, Any], root: type[RootT]) -> RootT: ...
+def validate_config(data: Mapping[str, Any], root: type[BaseModel] = Config) -> BaseModel:
+    """Validate a plain dict into `root`, turning pydantic errors into one `ConfigError`."""
     try:
-        return Config.model_validate(data)
+        return root.model_validate(data)
     except ValidationError as e:
-        raise ConfigError("; ".join(_format_error(err) for err in e.errors())) from None
+        raise ConfigError("; ".join(_format_error(err, root) for err in e.errors())) from None
 
 
 def config_to_yaml(config: BaseModel) -> str:
@@ -190,7 +205,7 @@ def _deep_merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, An
     return merged
 
 
-def _apply_override(data: dict[str, Any], override: str) -> None:
+def _apply_override(data: dict[str, Any], override: str, root: type[BaseModel] = Config) -> None:
     key, sep, raw = override.partition("=")
     key = key.strip()
     parts = key.split(".")
@@ -198,7 +213,7 @@ def _apply_override(data: dict[str, Any], override: str) -> None:
         raise ConfigError(
             f"malformed override '{override}': expected KEY=VALUE, e.g. model.num_layers=4"
         )
-    field = _field_at(parts)
+    field = _field_at(parts, root)
     if field is not None and _is_str_field(field):
         value: Any = raw
     else:
@@ -222,9 +237,9 @@ def _apply_override(data: dict[str, Any], override: str) -> None:
 # Error messages
 
 
-def _field_at(parts: Sequence[str]) -> FieldInfo | None:
-    """The pydantic field at a dotted path under `Config`, or None if there is none."""
-    model: type[BaseModel] | None = Config
+def _field_at(parts: Sequence[str], root: type[BaseModel] = Config) -> FieldInfo | None:
+    """The pydantic field at a dotted path under `root`, or None if there is none."""
+    model: type[BaseModel] | None = root
     field = None
     for part in parts:
         if model is None or part not in model.model_fields:
@@ -266,9 +281,9 @@ def _describe_type(annotation: Any) -> str:
     return getattr(annotation, "__name__", str(annotation))
 
 
-def _known_prefix(loc: Sequence[Any]) -> list[str]:
+def _known_prefix(loc: Sequence[Any], root: type[BaseModel] = Config) -> list[str]:
     """The longest prefix of an error location that is a path of fields (drops union tags)."""
-    model: type[BaseModel] | None = Config
+    model: type[BaseModel] | None = root
     path: list[str] = []
     for part in loc:
         if model is None or not isinstance(part, str) or part not in model.model_fields:
@@ -278,21 +293,21 @@ def _known_prefix(loc: Sequence[Any]) -> list[str]:
     return path
 
 
-def _format_error(err: Mapping[str, Any]) -> str:
+def _format_error(err: Mapping[str, Any], root: type[BaseModel] = Config) -> str:
     kind = err["type"]
-    loc = _known_prefix(err["loc"])
+    loc = _known_prefix(err["loc"], root)
     if kind == "extra_forbidden":
         loc.append(str(err["loc"][len(loc)]))
     key = ".".join(loc)
     if kind == "extra_forbidden":
-        parent = _model_at(loc[:-1])
+        parent = _model_at(loc[:-1], root)
         where = f"in '{'.'.join(loc[:-1])}'" if len(loc) > 1 else "at the top level"
         valid = ", ".join(sorted(parent.model_fields)) if parent else "(none)"
         return f"unknown config key '{key}'; valid keys {where}: {valid}"
     if kind == "missing":
         return f"missing required config key '{key}'"
     msg = str(err["msg"]).removeprefix("Value error, ")
-    field = _field_at(loc)
+    field = _field_at(loc, root)
     if kind.startswith("value_error") or kind == "assertion_error" or field is None:
         return f"invalid config '{key or '<root>'}': {msg}"
     expected = _describe_type(field.annotation)
@@ -301,8 +316,8 @@ def _format_error(err: Mapping[str, Any]) -> str:
     )
 
 
-def _model_at(parts: Sequence[str]) -> type[BaseModel] | None:
+def _model_at(parts: Sequence[str], root: type[BaseModel] = Config) -> type[BaseModel] | None:
     if not parts:
-        return Config
-    field = _field_at(parts)
+        return root
+    field = _field_at(parts, root)
     return _model_class(field.annotation) if field is not None else None
