@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "lwm.commands.info",
         "show a config's parameter counts, FLOPs per token and per-device memory",
     ),
+    "train": ("lwm.commands.train", "train the model (sharded, checkpointed, resumable)"),
 }
 
 # Errors caused by the user's input: reported as one line, exit status 2, no traceback.

@@ -14,6 +14,9 @@ from pydantic.fields import FieldInfo
 
 __all__ = [
     "Config",
+    "DataConfig",
+    "DistributedConfig",
+    "TrainConfig",
     "ConfigError",
     "MeshConfig",
     "ModelConfig",
@@ -117,13 +120,68 @@ class MeshConfig(BaseModel):
         return value
 
 
+class TrainConfig(BaseModel):
+    """`lwm train`: optimisation, checkpoints and logging. Defaults of the 7B configs are LWM's."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    output_dir: str = "runs/default"
+    steps: PositiveInt = 1000
+    batch_size: PositiveInt = 8  # global, in sequences
+    seq_len: PositiveInt | None = None  # None: model.max_seq_len
+    grad_accum: PositiveInt = 1
+    learning_rate: PositiveFloat = 3e-4
+    end_learning_rate: Annotated[float, Field(ge=0)] = 0.0
+    warmup_steps: Annotated[int, Field(ge=0)] = 0
+    schedule: Literal["cosine", "constant"] = "cosine"
+    weight_decay: Annotated[float, Field(ge=0)] = 0.0
+    b1: float = 0.9
+    b2: float = 0.95
+    clip_norm: PositiveFloat | None = 1.0
+    text_loss_weight: Annotated[float, Field(ge=0)] = 0.5
+    vision_loss_weight: Annotated[float, Field(ge=0)] = 0.5
+    init_from: str | None = None  # hf:DIR, lwm:PATH (params::PATH), orbax:DIR
+    log_every: PositiveInt = 10
+    save_every: PositiveInt = 100
+    max_to_keep: PositiveInt = 3
+    async_save: bool = True
+    peak_flops: Literal["auto"] | PositiveFloat = "auto"  # per device, for MFU
+    progress: bool = True
+
+
+class DataConfig(BaseModel):
+    """Where training batches come from: a dataset written by `lwm tokenize`, or synthetic."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    source: str = "synthetic"  # "synthetic" or the path of a tokenized dataset
+    split: str = "train"
+    shuffle_seed: int = 0
+    pack: bool = True  # pack documents into sequences (else pad each)
+
+
+class DistributedConfig(BaseModel):
+    """`jax.distributed` for many hosts; unset fields come from the environment (or TPU)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: Literal["auto", "on", "off"] = "auto"
+    coordinator_address: str | None = None
+    num_processes: PositiveInt | None = None
+    process_id: Annotated[int, Field(ge=0)] | None = None
+    cpu_collectives: Literal["gloo", "mpi", "none"] = "gloo"
+
+
 class Config(BaseModel):
-    """Root config. Sections are added here as the project grows (train, data, ...)."""
+    """Root config: the model, the device mesh, and the sections of each command."""
 
     model_config = ConfigDict(extra="forbid")
 
     model: ModelConfig
     mesh: MeshConfig = Field(default_factory=MeshConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     seed: int = 0
 
 

@@ -24,23 +24,30 @@ class Targets(NamedTuple):
 
 
 def next_token_targets(
-    tokens: jax.Array,
-    vision_mask: jax.Array,
-    loss_mask: jax.Array,
-    segment_ids: jax.Array | None = None,
+    tokens,
+    vision_mask,
+    loss_mask,
+    segment_ids=None,
+    *,
+    xp=jnp,
 ) -> Targets:
-    """Targets for every position of ``[batch, seq]`` streams in their original order."""
+    """Targets for every position of ``[batch, seq]`` streams in their original order.
+
+    The target of position t is token t+1 when t+1 is trained (``loss_mask``) and, given
+    segment ids, in the same segment; segment id 0 is padding and never has a target.
+    ``xp`` is ``jax.numpy`` or ``numpy`` (the data loaders build targets on the host).
+    """
 
     def shift(x, fill):
-        return jnp.concatenate([x[:, 1:], jnp.full_like(x[:, :1], fill)], axis=1)
+        return xp.concatenate([x[:, 1:], xp.full_like(x[:, :1], fill)], axis=1)
 
-    weight = shift(jnp.asarray(loss_mask, jnp.float32), 0.0)
+    weight = shift(xp.asarray(loss_mask, xp.float32), 0.0)
     if segment_ids is not None:
-        same_doc = shift(segment_ids, -1) == segment_ids
-        weight = weight * same_doc.astype(jnp.float32)
+        same_doc = (shift(segment_ids, -1) == segment_ids) & (segment_ids != 0)
+        weight = weight * same_doc.astype(xp.float32)
     return Targets(
-        tokens=shift(jnp.asarray(tokens, jnp.int32), 0),
-        is_vision=shift(jnp.asarray(vision_mask, bool), False),
+        tokens=shift(xp.asarray(tokens, xp.int32), 0),
+        is_vision=shift(xp.asarray(vision_mask, bool), False),
         weight=weight,
     )
 
@@ -56,6 +63,12 @@ def _cross_entropy(logits: jax.Array, targets: jax.Array, weight: jax.Array):
     return nll.sum(), correct.sum(), weight.sum()
 
 
+def target_counts(targets: Targets) -> tuple[jax.Array, jax.Array]:
+    """Weighted numbers of text and of vision targets."""
+    vision = targets.weight * targets.is_vision
+    return jnp.sum(targets.weight) - jnp.sum(vision), jnp.sum(vision)
+
+
 def lwm_loss(
     text_logits: jax.Array,
     vision_logits: jax.Array,
@@ -63,17 +76,21 @@ def lwm_loss(
     *,
     text_weight: float = 0.5,
     vision_weight: float = 0.5,
+    counts: tuple[jax.Array, jax.Array] | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """``text_weight * mean text CE + vision_weight * mean vision CE`` and metrics.
 
-    A modality with no target in the batch contributes 0 (as in LWM). Metrics: the two
-    losses, the two accuracies, and the target counts.
+    A modality with no target in the batch contributes 0 (as in LWM). ``counts`` are the
+    (text, vision) target counts to average over; by default this batch's. Gradient
+    accumulation passes the whole batch's counts, so the micro-batch losses sum exactly to
+    the whole batch's loss. Metrics: the two losses, the two accuracies, the target counts.
     """
     text_w = targets.weight * (~targets.is_vision)
     vision_w = targets.weight * targets.is_vision
     t_nll, t_correct, t_n = _cross_entropy(text_logits, targets.tokens, text_w)
     v_nll, v_correct, v_n = _cross_entropy(vision_logits, targets.tokens, vision_w)
-    t_den, v_den = jnp.maximum(t_n, 1.0), jnp.maximum(v_n, 1.0)
+    t_den, v_den = (t_n, v_n) if counts is None else counts
+    t_den, v_den = jnp.maximum(t_den, 1.0), jnp.maximum(v_den, 1.0)
     text_loss, vision_loss = t_nll / t_den, v_nll / v_den
     loss = text_weight * text_loss + vision_weight * vision_loss
     metrics = {

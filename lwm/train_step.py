@@ -8,8 +8,6 @@ model that does not fit this host (`scripts/aot_compile.py`).
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import optax
@@ -17,21 +15,11 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from data.batches import BATCH_FIELDS
 from lwm.config import ModelConfig
-from lwm.loss import Targets, lwm_loss
+from lwm.loss import Targets, lwm_loss, target_counts
 from lwm.mesh import logical_to_spec
 from lwm.model import LWMModel, state_shardings
-
-# Every field is [batch, seq] and sharded batch over (dp, fsdp), sequence over sp.
-BATCH_FIELDS: dict[str, Any] = {
-    "tokens": jnp.int32,
-    "vision_mask": jnp.bool_,
-    "positions": jnp.int32,
-    "segment_ids": jnp.int32,
-    "target_tokens": jnp.int32,
-    "target_is_vision": jnp.bool_,
-    "target_weight": jnp.float32,
-}
 
 
 def make_optimizer(
@@ -47,24 +35,22 @@ def make_optimizer(
     clip_norm: float | None = 1.0,
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """AdamW with linear warmup then cosine decay (or constant); norms are not decayed."""
+    if schedule not in ("cosine", "constant"):
+        raise ValueError(f"unknown learning-rate schedule '{schedule}'; choose cosine or constant")
+    decay_steps = max(total_steps - warmup_steps, 1)
     if schedule == "cosine":
-        lr = optax.warmup_cosine_decay_schedule(
-            0.0,
-            learning_rate,
-            max(warmup_steps, 1),
-            max(total_steps, warmup_steps + 1),
-            end_learning_rate,
-        )
-    elif schedule == "constant":
-        lr = optax.join_schedules(
-            [
-                optax.linear_schedule(0.0, learning_rate, max(warmup_steps, 1)),
-                optax.constant_schedule(learning_rate),
-            ],
-            [max(warmup_steps, 1)],
+        after = optax.cosine_decay_schedule(
+            learning_rate, decay_steps, alpha=end_learning_rate / learning_rate
         )
     else:
-        raise ValueError(f"unknown learning-rate schedule '{schedule}'; choose cosine or constant")
+        after = optax.constant_schedule(learning_rate)
+    if warmup_steps > 0:
+        warmup = optax.linear_schedule(
+            learning_rate / warmup_steps, learning_rate, warmup_steps - 1
+        )
+        lr = optax.join_schedules([warmup, after], [warmup_steps])
+    else:
+        lr = after
 
     def decay_mask(params):
         return jax.tree.map(lambda x: x.ndim >= 2, params)
@@ -78,13 +64,42 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, logical_to_spec(("batch", "length")))
 
 
-def loss_fn(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, weights=(0.5, 0.5)):
+def loss_fn(
+    params: nnx.State,
+    graphdef: nnx.GraphDef,
+    batch: dict,
+    weights: tuple[float, float] = (0.5, 0.5),
+    counts: tuple[jax.Array, jax.Array] | None = None,
+):
     model: LWMModel = nnx.merge(graphdef, params)
     text, vision = model(
         batch["tokens"], batch["vision_mask"], batch["positions"], batch["segment_ids"]
     )
-    targets = Targets(batch["target_tokens"], batch["target_is_vision"], batch["target_weight"])
-    return lwm_loss(text, vision, targets, text_weight=weights[0], vision_weight=weights[1])
+    return lwm_loss(
+        text,
+        vision,
+        _targets(batch),
+        text_weight=weights[0],
+        vision_weight=weights[1],
+        counts=counts,
+    )
+
+
+def _targets(batch: dict) -> Targets:
+    return Targets(batch["target_tokens"], batch["target_is_vision"], batch["target_weight"])
+
+
+def _micro_batches(batch: dict, accum: int, mesh: Mesh | None) -> dict:
+    """[batch, seq] -> [accum, batch/accum, seq], each micro-batch sharded like a batch."""
+
+    def split(x):
+        x = x.reshape(accum, x.shape[0] // accum, *x.shape[1:])
+        if mesh is None:
+            return x
+        spec = P(None, *logical_to_spec(("batch", "length")))
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+    return jax.tree.map(split, batch)
 
 
 def train_step(
@@ -95,11 +110,33 @@ def train_step(
     graphdef: nnx.GraphDef,
     tx: optax.GradientTransformation,
     weights: tuple[float, float] = (0.5, 0.5),
+    grad_accum: int = 1,
+    mesh: Mesh | None = None,
 ):
-    """One optimizer step; returns new parameters, optimizer state and metrics (incl. grad norm)."""
-    (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-        params, graphdef, batch, weights
-    )
+    """One optimizer step; returns new parameters, optimizer state and metrics (incl. grad norm).
+
+    With ``grad_accum > 1`` the batch is split into micro-batches whose gradients are summed;
+    each micro-batch loss is averaged over the whole batch's target counts, so the result
+    equals one step on the whole batch (up to float summation order).
+    """
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    if grad_accum == 1:
+        (_, metrics), grads = grad_fn(params, graphdef, batch, weights)
+    else:
+        counts = target_counts(_targets(batch))
+        micro = _micro_batches(batch, grad_accum, mesh)
+
+        def accumulate(carry, mb):
+            grads, metrics = carry
+            (_, m), g = grad_fn(params, graphdef, mb, weights, counts)
+            return (jax.tree.map(jnp.add, grads, g), jax.tree.map(jnp.add, metrics, m)), None
+
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        zero_metrics = jax.tree.map(
+            jnp.zeros_like, jax.eval_shape(lambda: grad_fn(params, graphdef, batch, weights)[0][1])
+        )
+        (grads, metrics), _ = jax.lax.scan(accumulate, (zeros, zero_metrics), micro)
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
     updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     metrics = dict(metrics, grad_norm=optax.global_norm(grads))

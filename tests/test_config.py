@@ -68,11 +68,11 @@ def test_unknown_key_names_key_and_valid_keys() -> None:
     message = str(info.value)
     valid = ", ".join(sorted(ModelConfig.model_fields))
     assert message == (f"unknown config key 'model.not_a_field'; valid keys in 'model': {valid}")
-    with pytest.raises(
-        ConfigError,
-        match="unknown config key 'trian'; valid keys at the top level: mesh, model, seed",
-    ):
+    top = ", ".join(sorted(Config.model_fields))
+    with pytest.raises(ConfigError) as info:
         load_config(DEBUG, ["trian.steps=3"])
+    assert str(info.value) == f"unknown config key 'trian'; valid keys at the top level: {top}"
+    assert "train" in top
 
 
 def test_wrong_type_names_key_value_and_type() -> None:

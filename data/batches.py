@@ -1,0 +1,144 @@
+"""Training batches: the fields the training step reads, and the loader protocol.
+
+A loader yields this host's share of each global batch as a dict of numpy arrays
+``[local_batch, seq_len]`` with exactly the fields of `BATCH_FIELDS`, already in the model's
+sequence layout (zigzag when the model uses ring attention). Targets are made in the original
+token order first (`make_training_batch`), so "next token" never crosses a document, whatever
+the layout. A loader's position is a JSON-serialisable dict (`state()` / `restore(state)`),
+saved with every checkpoint, so a resumed run sees exactly the batches it would have seen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+import numpy as np
+
+from lwm.loss import next_token_targets
+
+BATCH_FIELDS: dict[str, Any] = {
+    "tokens": np.int32,
+    "vision_mask": np.bool_,
+    "positions": np.int32,
+    "segment_ids": np.int32,
+    "target_tokens": np.int32,
+    "target_is_vision": np.bool_,
+    "target_weight": np.float32,
+}
+
+
+class Loader(Protocol):
+    """What the training loop needs from a data source."""
+
+    def __iter__(self) -> Iterator[dict[str, np.ndarray]]: ...
+
+    def __next__(self) -> dict[str, np.ndarray]: ...
+
+    def state(self) -> dict[str, Any]: ...
+
+    def restore(self, state: dict[str, Any]) -> None: ...
+
+
+def make_training_batch(
+    tokens: np.ndarray,
+    vision_mask: np.ndarray,
+    loss_mask: np.ndarray,
+    segment_ids: np.ndarray,
+    positions: np.ndarray,
+    layout: np.ndarray | None = None,
+) -> dict[str, np.ndarray]:
+    """Targets from ``[batch, seq]`` streams in document order (`next_token_targets`: never
+    across a segment boundary, none from padding segment 0), then the sequence layout."""
+    targets = next_token_targets(tokens, vision_mask, loss_mask, segment_ids, xp=np)
+    batch = {
+        "tokens": tokens,
+        "vision_mask": vision_mask,
+        "positions": positions,
+        "segment_ids": segment_ids,
+        "target_tokens": targets.tokens,
+        "target_is_vision": targets.is_vision,
+        "target_weight": targets.weight,
+    }
+    if layout is not None:
+        batch = {k: v[:, layout] for k, v in batch.items()}
+    return {k: np.ascontiguousarray(v, dtype=BATCH_FIELDS[k]) for k, v in batch.items()}
+
+
+class SyntheticTokenLoader:
+    """Deterministic token streams for smoke tests, benchmarks and the training tests.
+
+    Each row packs documents made of a text span and a short "video" (vision codes with
+    ``<eof>``/``<eov>``), drawn from a small set of repeated patterns so a model can learn them
+    and its loss falls. Batch ``i`` depends only on ``(seed, i)``; each host builds only its
+    own rows (``process_index`` of ``process_count``).
+    """
+
+    def __init__(
+        self,
+        *,
+        batch_size: int,
+        seq_len: int,
+        text_vocab_size: int,
+        seed: int = 0,
+        vision_codes: int = 8192,
+        patterns: int = 8,
+        process_index: int = 0,
+        process_count: int = 1,
+        layout: np.ndarray | None = None,
+    ):
+        if batch_size % process_count:
+            raise ValueError(
+                f"batch size {batch_size} is not divisible by the {process_count} processes"
+            )
+        self.batch_size, self.seq_len = batch_size, seq_len
+        self.local_rows = batch_size // process_count
+        self.first_row = process_index * self.local_rows
+        self.text_vocab_size, self.vision_codes = text_vocab_size, vision_codes
+        self.seed, self.layout = seed, layout
+        rng = np.random.default_rng(seed)
+        self._patterns = [
+            (
+                rng.integers(3, text_vocab_size, rng.integers(4, 12)),
+                rng.integers(0, min(vision_codes, 512), rng.integers(6, 20)),
+            )
+            for _ in range(patterns)
+        ]
+        self.step = 0
+
+    def state(self) -> dict[str, Any]:
+        return {"kind": "synthetic", "step": self.step, "seed": self.seed}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        if state.get("kind") != "synthetic" or state.get("seed") != self.seed:
+            raise ValueError(f"loader state {state} does not belong to this synthetic loader")
+        self.step = int(state["step"])
+
+    def __iter__(self) -> SyntheticTokenLoader:
+        return self
+
+    def _row(self, rng: np.random.Generator):
+        tokens, vision, seg, pos = [], [], [], []
+        doc = 0
+        while len(tokens) < self.seq_len:
+            doc += 1
+            text, codes = self._patterns[rng.integers(len(self._patterns))]
+            frames = np.concatenate([codes, [8193]])  # one short frame, then <eov>
+            span = list(text) + list(frames)
+            tokens += span
+            vision += [False] * len(text) + [True] * len(frames)
+            seg += [doc] * len(span)
+            pos += list(range(len(span)))
+        cut = slice(0, self.seq_len)
+        return tokens[cut], vision[cut], seg[cut], pos[cut]
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        rows = []
+        for r in range(self.first_row, self.first_row + self.local_rows):
+            rng = np.random.default_rng((self.seed, self.step, r))
+            rows.append(self._row(rng))
+        self.step += 1
+        tokens, vision, seg, pos = (np.asarray(x) for x in zip(*rows, strict=True))
+        return make_training_batch(
+            tokens, vision, np.ones_like(tokens, np.float32), seg, pos, self.layout
+        )

@@ -1,0 +1,43 @@
+"""Train the model: sharded over the config's mesh, with orbax checkpoints and exact resume.
+
+  lwm train --config configs/tiny.yaml train.steps=200 mesh.shape=1,2,2,2
+  lwm train --config configs/7b_128k.yaml train.init_from=run:runs/7b_32k
+
+Rerun the same command to resume from the newest checkpoint in train.output_dir. SIGTERM or
+Ctrl-C saves a checkpoint first. Metrics: OUTPUT/metrics.jsonl and OUTPUT/tensorboard.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from lwm.config import load_config
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="YAML config, e.g. configs/tiny.yaml")
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="config overrides, e.g. train.steps=100 mesh.shape=1,-1,4,1",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from lwm.train import TrainingError, train
+
+    cfg = load_config(args.config, args.overrides)
+    out = cfg.train.output_dir
+    try:
+        result = train(cfg)
+    except TrainingError as e:
+        print(f"lwm train: error: {e}", file=sys.stderr)
+        return 1
+    if result.stopped_by is not None:
+        return 128 + {"SIGINT": 2, "SIGTERM": 15}.get(result.stopped_by, 0)
+    print(
+        f"lwm train: done at step {result.step}; checkpoints and metrics in {out}", file=sys.stderr
+    )
+    return 0

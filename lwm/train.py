@@ -1,0 +1,421 @@
+"""The training loop behind `lwm train`.
+
+Builds the mesh, initialises (or loads, or resumes) parameters already sharded, and runs the
+jitted, buffer-donating training step. Checkpoints go through an orbax `CheckpointManager`
+(asynchronous saves every ``train.save_every`` steps, ``max_to_keep``, and a save on
+SIGTERM/SIGINT); each holds parameters, optimizer state and, as JSON, the step and the data
+loader's position. Rerunning the same command resumes from the newest checkpoint that restores
+(a damaged one is reported and skipped). A non-finite loss stops the run naming the step;
+nothing after the last good checkpoint is saved.
+
+Metrics every ``train.log_every`` steps go to ``OUTPUT/metrics.jsonl`` and TensorBoard
+(``OUTPUT/tensorboard``): loss and accuracy per modality, gradient norm, learning rate,
+tokens/s, step time and MFU.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from data.batches import Loader, SyntheticTokenLoader
+from lwm.attention.layout import zigzag_permutation
+from lwm.config import Config, DistributedConfig, config_to_yaml
+from lwm.info import flops_per_token
+from lwm.mesh import MeshError, check_batch_fits, make_mesh
+from lwm.train_step import abstract_train_state, batch_sharding, make_optimizer, train_step
+
+
+class TrainingError(RuntimeError):
+    """The run cannot go on (non-finite loss, no usable checkpoint...); the message says why."""
+
+
+@dataclass
+class TrainResult:
+    step: int  # steps completed
+    stopped_by: str | None  # None, or the signal name that interrupted the run
+
+
+# ----------------------------------------------------------------------------------------------
+# set-up
+
+
+def init_distributed(cfg: DistributedConfig) -> None:
+    """`jax.distributed.initialize` from the config or the environment (JAX_COORDINATOR_ADDRESS,
+    JAX_NUM_PROCESSES, JAX_PROCESS_ID); on a multi-host TPU slice it needs no arguments."""
+    address = cfg.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
+    multi_host_tpu = "," in os.environ.get("TPU_WORKER_HOSTNAMES", "")
+    if cfg.enabled == "off" or (cfg.enabled == "auto" and not address and not multi_host_tpu):
+        return
+    if cfg.cpu_collectives != "none":
+        jax.config.update("jax_cpu_collectives_implementation", cfg.cpu_collectives)
+    kwargs: dict[str, Any] = {}
+    if address:
+        kwargs["coordinator_address"] = address
+        num = cfg.num_processes or int(os.environ.get("JAX_NUM_PROCESSES", "0") or 0)
+        pid = cfg.process_id
+        if pid is None and os.environ.get("JAX_PROCESS_ID"):
+            pid = int(os.environ["JAX_PROCESS_ID"])
+        if not num or pid is None:
+            raise TrainingError(
+                "distributed training needs num_processes and process_id with the coordinator "
+                "address (distributed.* in the config, or JAX_NUM_PROCESSES / JAX_PROCESS_ID)"
+            )
+        kwargs.update(num_processes=num, process_id=pid)
+    jax.distributed.initialize(**kwargs)
+
+
+def measure_peak_flops(devices: list[jax.Device], size: int = 1024, repeats: int = 3) -> float:
+    """Achieved float32 matmul FLOP/s per device, with every device multiplying at once."""
+    n = len(devices)
+    mesh = jax.sharding.Mesh(np.asarray(devices), ("d",))
+    sharding = NamedSharding(mesh, P("d"))
+    x = jax.device_put(jnp.ones((n, size, size), jnp.float32), sharding)
+    mm = jax.jit(lambda a: jnp.einsum("nij,njk->nik", a, a), out_shardings=sharding)
+    mm(x).block_until_ready()
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        mm(x).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * size**3 / best
+
+
+def build_loader(cfg: Config, seq_len: int, layout: np.ndarray | None) -> Loader:
+    data = cfg.data
+    common = dict(
+        batch_size=cfg.train.batch_size,
+        seq_len=seq_len,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+        layout=layout,
+    )
+    if data.source == "synthetic":
+        return SyntheticTokenLoader(
+            text_vocab_size=cfg.model.text_vocab_size, seed=data.shuffle_seed, **common
+        )
+    from data.loader import TokenDatasetLoader  # the `lwm tokenize` datasets
+
+    return TokenDatasetLoader(
+        data.source, split=data.split, seed=data.shuffle_seed, pack=data.pack, **common
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# checkpoints
+
+
+def _checkpoint_manager(directory: Path, cfg: Config):
+    import orbax.checkpoint as ocp
+
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=cfg.train.max_to_keep,
+        enable_async_checkpointing=cfg.train.async_save,
+        create=True,
+    )
+    return ocp.CheckpointManager(directory.absolute(), options=options)
+
+
+def _save(manager, step: int, params, opt_state, meta: dict) -> None:
+    import orbax.checkpoint as ocp
+
+    manager.save(
+        step,
+        args=ocp.args.Composite(
+            state=ocp.args.StandardSave({"params": params, "opt_state": opt_state}),
+            meta=ocp.args.JsonSave(meta),
+        ),
+        force=True,
+    )
+
+
+def _restore_newest(manager, abstract_state: dict, log) -> tuple[int, dict, dict] | None:
+    """The newest checkpoint that restores. Damaged ones are reported and renamed
+    ``STEP.damaged`` (kept for inspection, out of the way of the steps about to be redone)."""
+
+    damaged: list[int] = []
+    try:
+        return _first_restorable(manager, abstract_state, log, damaged)
+    finally:
+        if damaged:
+            if jax.process_index() == 0:
+                root = Path(manager.directory)
+                for step in damaged:
+                    (root / str(step)).rename(root / f"{step}.damaged-{int(time.time())}")
+            manager.reload()
+
+
+def _first_restorable(manager, abstract_state, log, damaged: list[int]):
+    import orbax.checkpoint as ocp
+
+    for step in sorted(manager.all_steps(), reverse=True):
+        try:
+            restored = manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()
+                ),
+            )
+        except Exception as e:  # orbax raises many types for a truncated or missing file
+            reason = " ".join(str(e).split())[:300]
+            log(
+                f"checkpoint {step} cannot be restored ({type(e).__name__}: {reason}); "
+                "trying the previous one"
+            )
+            damaged.append(step)
+            continue
+        return step, restored["state"], restored["meta"]
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# metrics
+
+
+class MetricsWriter:
+    """JSONL and TensorBoard scalars, written by process 0 only."""
+
+    def __init__(self, output_dir: Path, enabled: bool):
+        self.enabled = enabled
+        self.jsonl = None
+        self.tb = None
+        if not enabled:
+            return
+        output_dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl = open(output_dir / "metrics.jsonl", "a")  # noqa: SIM115
+        try:
+            from tensorboardX import SummaryWriter
+
+            self.tb = SummaryWriter(str(output_dir / "tensorboard"))
+        except ImportError:  # pragma: no cover - tensorboardX is a dependency
+            self.tb = None
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.jsonl.flush()
+        if self.tb is not None:
+            for k, v in metrics.items():
+                self.tb.add_scalar(f"train/{k}", v, step)
+
+    def close(self) -> None:
+        if self.jsonl is not None:
+            self.jsonl.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# the loop
+
+
+def train(cfg: Config, *, log=None) -> TrainResult:
+    """Run (or resume) the training described by ``cfg``."""
+    log = log or (lambda msg: print(f"lwm train: {msg}", file=sys.stderr, flush=True))
+    tc = cfg.train
+    init_distributed(cfg.distributed)
+    primary = jax.process_index() == 0
+    mesh = make_mesh(cfg.mesh.shape)
+    model_cfg = cfg.model
+    seq_len = tc.seq_len or model_cfg.max_seq_len
+    if seq_len > model_cfg.max_seq_len:
+        model_cfg = model_cfg.model_copy(update={"max_seq_len": seq_len})
+    check_batch_fits(mesh, tc.batch_size, seq_len)
+    if tc.batch_size % tc.grad_accum:
+        raise MeshError(
+            f"batch size {tc.batch_size} is not divisible by grad_accum {tc.grad_accum}"
+        )
+    check_batch_fits(mesh, tc.batch_size // tc.grad_accum, seq_len)
+    sp = mesh.shape["sp"]
+    layout = None
+    if model_cfg.attention == "ring" and model_cfg.zigzag and sp > 1:
+        layout = zigzag_permutation(seq_len, sp)
+
+    output = Path(tc.output_dir)
+    tx, schedule = make_optimizer(
+        tc.learning_rate,
+        warmup_steps=tc.warmup_steps,
+        total_steps=tc.steps,
+        schedule=tc.schedule,
+        end_learning_rate=tc.end_learning_rate,
+        weight_decay=tc.weight_decay,
+        b1=tc.b1,
+        b2=tc.b2,
+        clip_norm=tc.clip_norm,
+    )
+    graphdef, abs_params, abs_opt = abstract_train_state(model_cfg, mesh, tx)
+    shardings = jax.tree.map(lambda x: x.sharding, {"params": abs_params, "opt_state": abs_opt})
+    loader = build_loader(cfg, seq_len, layout)
+    manager = _checkpoint_manager(output / "checkpoints", cfg)
+
+    resumed = _restore_newest(manager, {"params": abs_params, "opt_state": abs_opt}, log)
+    if resumed is not None:
+        start, state, meta = resumed
+        params, opt_state = state["params"], state["opt_state"]
+        loader.restore(meta["loader"])
+        log(f"resumed from checkpoint {start} in {output / 'checkpoints'}")
+    else:
+        start = 0
+        params = _initial_params(
+            cfg,
+            model_cfg,
+            mesh,
+            abs_params,
+            abs_opt,
+            lambda d: _checkpoint_manager(d, cfg),
+            log,
+        )
+        opt_state = jax.jit(tx.init, out_shardings=shardings["opt_state"])(params)
+    if start >= tc.steps:
+        log(f"nothing to do: checkpoint {start} already reaches train.steps={tc.steps}")
+        manager.close()
+        return TrainResult(step=start, stopped_by=None)
+
+    step_fn = jax.jit(
+        lambda p, o, b: train_step(
+            p,
+            o,
+            b,
+            graphdef=graphdef,
+            tx=tx,
+            weights=(tc.text_loss_weight, tc.vision_loss_weight),
+            grad_accum=tc.grad_accum,
+            mesh=mesh,
+        ),
+        in_shardings=(shardings["params"], shardings["opt_state"], batch_sharding(mesh)),
+        out_shardings=(shardings["params"], shardings["opt_state"], NamedSharding(mesh, P())),
+        donate_argnums=(0, 1),
+    )
+    tokens_per_step = tc.batch_size * seq_len
+    model_flops = flops_per_token(model_cfg, seq_len).train * tokens_per_step
+    peak = measure_peak_flops(jax.devices()) if tc.peak_flops == "auto" else tc.peak_flops
+    peak_total = peak * jax.device_count()
+    writer = MetricsWriter(output, primary)
+    if primary:
+        (output / "config.yaml").write_text(config_to_yaml(cfg))
+
+    stop: dict[str, str | None] = {"signal": None}
+
+    def on_signal(signum, _frame):
+        stop["signal"] = signal.Signals(signum).name
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    bar = None
+    if primary and tc.progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=tc.steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
+
+    bsharding = batch_sharding(mesh)
+    global_shape = (tc.batch_size, seq_len)
+    pending: list[tuple[int, dict]] = []  # dispatched steps whose metrics are not yet checked
+    last_good_save = resumed[0] if resumed is not None else None
+    window = {"t": time.perf_counter(), "steps": 0}
+
+    def check(upto: int) -> None:
+        """Fetch metrics of dispatched steps <= upto; stop on a non-finite loss; log."""
+        nonlocal pending
+        while pending and pending[0][0] <= upto:
+            step, metrics = pending.pop(0)
+            host = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            if not math.isfinite(host["loss"]):
+                where = (
+                    f"checkpoint {last_good_save}"
+                    if last_good_save is not None
+                    else "no checkpoint"
+                )
+                raise TrainingError(
+                    f"loss is {host['loss']} at step {step}; stopping. The last good state is "
+                    f"{where} in {output / 'checkpoints'}"
+                )
+            if bar is not None:
+                bar.set_postfix(loss=f"{host['loss']:.4f}")
+            if step % tc.log_every == 0 or step == tc.steps:
+                now = time.perf_counter()
+                dt = (now - window["t"]) / max(window["steps"], 1)
+                window.update(t=now, steps=0)
+                host.update(
+                    learning_rate=float(schedule(step - 1)),
+                    step_time_s=dt,
+                    tokens_per_s=tokens_per_step / dt,
+                    mfu=model_flops / dt / peak_total,
+                )
+                writer.write(step, host)
+
+    stopped_by = None
+    step = start
+    try:
+        for step in range(start + 1, tc.steps + 1):
+            local = next(loader)
+            batch = {
+                k: jax.make_array_from_process_local_data(bsharding, v, global_shape)
+                for k, v in local.items()
+            }
+            params, opt_state, metrics = step_fn(params, opt_state, batch)
+            pending.append((step, metrics))
+            window["steps"] += 1
+            check(step - 1)  # the previous step, so this one keeps running meanwhile
+            if bar is not None:
+                bar.update(1)
+            save_now = step % tc.save_every == 0 or step == tc.steps
+            if stop["signal"] is not None or save_now:
+                check(step)
+                _save(manager, step, params, opt_state, {"step": step, "loader": loader.state()})
+                last_good_save = step
+            if stop["signal"] is not None:
+                stopped_by = stop["signal"]
+                log(
+                    f"{stopped_by} at step {step}: saved checkpoint {step}; rerun the same "
+                    "command to resume"
+                )
+                break
+        check(step)
+    finally:
+        manager.wait_until_finished()
+        manager.close()
+        writer.close()
+        if bar is not None:
+            bar.close()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return TrainResult(step=step, stopped_by=stopped_by)
+
+
+def _initial_params(cfg, model_cfg, mesh, abs_params, abs_opt, manager_for, log):
+    """Fresh sharded parameters, or those of ``train.init_from``: ``run:DIR`` (the newest
+    checkpoint of an earlier `lwm train` run, e.g. the previous context stage), or any source
+    `lwm.weights.load_model` takes (``hf:``, ``lwm:``/``params::``, ``orbax:``)."""
+    from lwm.model import create_model
+
+    source = cfg.train.init_from
+    if not source:
+        return nnx.state(create_model(model_cfg, mesh=mesh, seed=cfg.seed), nnx.Param)
+    log(f"initialising from {source}")
+    if source.startswith("run:"):
+        run_dir = Path(source[4:]) / "checkpoints"
+        if not run_dir.is_dir():
+            raise FileNotFoundError(f"init_from: no checkpoints in '{run_dir}'")
+        manager = manager_for(run_dir)
+        found = _restore_newest(manager, {"params": abs_params, "opt_state": abs_opt}, log)
+        manager.close()
+        if found is None:
+            raise TrainingError(f"init_from: no checkpoint in '{run_dir}' can be restored")
+        return found[1]["params"]
+    from lwm.weights import load_model
+
+    return nnx.state(load_model(source, model_cfg, mesh=mesh), nnx.Param)

@@ -1,0 +1,261 @@
+"""`lwm train`: loss falls on real meshes, exact resume after kill -9, damaged checkpoints,
+non-finite loss, gradient accumulation, context stages, and two processes == one."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = [
+    "train.batch_size=2",
+    "train.seq_len=64",
+    "train.log_every=1",
+    "train.progress=false",
+    "train.peak_flops=1e9",
+    "train.learning_rate=3e-3",
+    "model.attention=ring",
+    "model.block_q=8",
+    "model.block_k=8",
+]
+
+
+def lwm_train(out: Path, *overrides: str, devices: int = 8, env=None, wait=True):
+    env = dict(os.environ if env is None else env)
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    cmd = [
+        sys.executable,
+        "-m",
+        "lwm",
+        "train",
+        "--config",
+        "configs/debug.yaml",
+        *BASE,
+        f"train.output_dir={out}",
+        *overrides,
+    ]
+    if not wait:
+        return subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def losses(out: Path) -> dict[int, float]:
+    """The last logged loss of every step (a resumed run logs its steps again)."""
+    result = {}
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        if line.strip():
+            record = json.loads(line)
+            result[record["step"]] = record["loss"]
+    return result
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[int, float]:
+    """An uninterrupted 12-step run on mesh (1,2,2,2)."""
+    out = tmp_path_factory.mktemp("ref")
+    r = lwm_train(out, "train.steps=12", "train.save_every=3", "mesh.shape=1,2,2,2")
+    assert r.returncode == 0, r.stderr
+    return losses(out)
+
+
+def test_loss_falls_with_ring_attention_on_two_meshes(reference, tmp_path):
+    assert sorted(reference) == list(range(1, 13))
+    assert reference[12] < reference[1] - 0.3, reference
+    r = lwm_train(
+        tmp_path,
+        "train.steps=12",
+        "mesh.shape=1,1,4,2",
+        "train.learning_rate=3e-3",
+        "train.schedule=constant",
+    )
+    assert r.returncode == 0, r.stderr
+    got = losses(tmp_path)
+    assert got[12] < got[1] - 0.3, got
+    record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    for key in (
+        "text_loss",
+        "vision_loss",
+        "text_accuracy",
+        "vision_accuracy",
+        "grad_norm",
+        "learning_rate",
+        "tokens_per_s",
+        "step_time_s",
+        "mfu",
+    ):
+        assert np.isfinite(record[key]), key
+    assert (tmp_path / "tensorboard").is_dir() and (tmp_path / "config.yaml").is_file()
+
+
+def _wait_for_step(out: Path, step: int, proc, timeout=300.0):
+    deadline = time.time() + timeout
+    path = out / "metrics.jsonl"
+    while time.time() < deadline:
+        if path.exists() and any(
+            json.loads(x)["step"] >= step for x in path.read_text().splitlines() if x.strip()
+        ):
+            return
+        assert proc.poll() is None, proc.communicate()[1]
+        time.sleep(0.02)
+    raise AssertionError(f"step {step} never logged")
+
+
+@pytest.mark.parametrize("kill_after", [6, 7])
+def test_kill_9_then_rerun_matches_uninterrupted(reference, tmp_path, kill_after):
+    """Killed right after step 6 is logged (its asynchronous save is in flight) or mid-way to the
+    next save: the rerun resumes from the last complete checkpoint, and every later loss
+    equals the uninterrupted run's."""
+    args = ("train.steps=12", "train.save_every=3", "mesh.shape=1,2,2,2")
+    proc = lwm_train(tmp_path, *args, wait=False)
+    _wait_for_step(tmp_path, kill_after, proc)
+    deadline = time.time() + 120  # checkpoint 3 is saved asynchronously: let it complete
+    while not (tmp_path / "checkpoints" / "3" / "commit_success.txt").exists():
+        assert time.time() < deadline and proc.poll() is None
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    r = lwm_train(tmp_path, *args)
+    assert r.returncode == 0, r.stderr
+    assert "resumed from checkpoint" in r.stderr
+    got = losses(tmp_path)
+    assert sorted(got) == list(range(1, 13))
+    for step in range(1, 13):
+        assert got[step] == reference[step], (step, got[step], reference[step])
+
+
+def test_damaged_latest_checkpoint_falls_back(tmp_path):
+    args = ["train.save_every=3", "mesh.shape=1,2,2,2", "train.schedule=constant"]
+    assert lwm_train(tmp_path, "train.steps=6", *args).returncode == 0
+    first = losses(tmp_path)
+    # Truncate every data file of checkpoint 6.
+    damaged = [
+        p
+        for p in (tmp_path / "checkpoints" / "6").rglob("*")
+        if p.is_file() and p.stat().st_size > 0 and "state" in p.parts
+    ]
+    assert damaged
+    for p in damaged:
+        with open(p, "r+b") as f:
+            f.truncate(p.stat().st_size // 2)
+    r = lwm_train(tmp_path, "train.steps=9", *args)
+    assert r.returncode == 0, r.stderr
+    assert "checkpoint 6 cannot be restored" in r.stderr
+    assert "resumed from checkpoint 3" in r.stderr
+    assert any(p.name.startswith("6.damaged") for p in (tmp_path / "checkpoints").iterdir())
+    got = losses(tmp_path)
+    for step in (4, 5, 6):  # redone from checkpoint 3, exactly as the first time
+        assert got[step] == first[step], step
+    assert sorted(got) == list(range(1, 10))
+
+
+def test_non_finite_loss_stops_naming_the_step(tmp_path):
+    r = lwm_train(
+        tmp_path,
+        "train.steps=8",
+        "train.save_every=2",
+        "mesh.shape=1,2,2,2",
+        "train.learning_rate=1e30",
+        "train.clip_norm=null",
+    )
+    assert r.returncode == 1
+    line = r.stderr.strip().splitlines()[-1]
+    assert line.startswith("lwm train: error: loss is nan at step") and "Traceback" not in r.stderr
+    bad_step = int(line.split("at step ")[1].split(";")[0])
+    saved = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
+    assert all(s < bad_step for s in saved)
+
+
+def test_sigterm_saves_then_resumes(reference, tmp_path):
+    args = ("train.steps=12", "train.save_every=100", "mesh.shape=1,2,2,2")
+    proc = lwm_train(tmp_path, *args, wait=False)
+    _wait_for_step(tmp_path, 4, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err
+    assert "SIGTERM at step" in err
+    r = lwm_train(tmp_path, *args)
+    assert r.returncode == 0, r.stderr
+    got = losses(tmp_path)
+    assert all(got[s] == reference[s] for s in range(1, 13))
+
+
+def test_gradient_accumulation_equals_one_big_batch(tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    common = ("train.steps=3", "mesh.shape=1,2,2,2", "train.batch_size=4")
+    assert lwm_train(one, *common).returncode == 0
+    r = lwm_train(two, *common, "train.grad_accum=2")
+    assert r.returncode == 0, r.stderr
+    a, b = losses(one), losses(two)
+    for step in (1, 2, 3):
+        assert abs(a[step] - b[step]) <= 1e-5 * abs(a[step]), (step, a[step], b[step])
+
+
+def test_next_context_stage_starts_from_previous_run(tmp_path):
+    stage1, stage2 = tmp_path / "s1", tmp_path / "s2"
+    assert lwm_train(stage1, "train.steps=3", "mesh.shape=1,1,8,1").returncode == 0
+    r = lwm_train(
+        stage2,
+        "train.steps=2",
+        "mesh.shape=1,1,8,1",
+        "train.seq_len=128",
+        "model.max_seq_len=128",
+        "model.rope_theta=100000.0",
+        f"train.init_from=run:{stage1}",
+    )
+    assert r.returncode == 0, r.stderr
+    assert f"initialising from run:{stage1}" in r.stderr
+    # Stage 2 starts from the trained weights: its first loss is below a fresh model's.
+    fresh = tmp_path / "fresh"
+    assert (
+        lwm_train(
+            fresh,
+            "train.steps=1",
+            "mesh.shape=1,1,8,1",
+            "train.seq_len=128",
+            "model.max_seq_len=128",
+            "model.rope_theta=100000.0",
+        ).returncode
+        == 0
+    )
+    assert losses(stage2)[1] < losses(fresh)[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_equal_one(reference, tmp_path):
+    """Two processes with 4 simulated CPU devices each, joined by jax.distributed."""
+    port = _free_port()
+    args = (
+        "train.steps=12",
+        "train.save_every=3",
+        "mesh.shape=1,2,2,2",
+        f"distributed.coordinator_address=127.0.0.1:{port}",
+        "distributed.num_processes=2",
+    )
+    procs = [
+        lwm_train(tmp_path, *args, f"distributed.process_id={i}", devices=4, wait=False)
+        for i in range(2)
+    ]
+    for p in procs:
+        _, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err
+    got = losses(tmp_path)
+    for step in range(1, 13):
+        assert got[step] == pytest.approx(reference[step], rel=1e-6), step
+    shutil.rmtree(tmp_path, ignore_errors=True)
