@@ -1,0 +1,174 @@
+"""Training-step throughput: tokens/s and MFU of the full training step (forward, backward,
+AdamW) for two model sizes and two sequence lengths, ring attention against dense attention,
+side by side in one process on 8 simulated CPU devices.
+
+    python scripts/bench_train.py                       # defaults below
+    python scripts/bench_train.py --sizes tiny --seqs 2048 --repeats 5
+
+One JSON line per measurement on stdout, then one ratio line (ring over dense) per
+(size, seq). MFU = model FLOPs (lwm.info.flops_per_token: 6N + 12*L*H*S per token) x tokens/s
+over the matmul FLOP/s measured on all devices at once in the same run.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from data.batches import SyntheticTokenLoader  # noqa: E402
+from lwm.attention.layout import zigzag_permutation  # noqa: E402
+from lwm.config import load_config  # noqa: E402
+from lwm.info import flops_per_token, param_counts  # noqa: E402
+from lwm.mesh import make_mesh  # noqa: E402
+from lwm.model import create_model  # noqa: E402
+from lwm.train import measure_peak_flops  # noqa: E402
+from lwm.train_step import batch_sharding, make_optimizer, train_step  # noqa: E402
+
+SIZES = {
+    # name: (config, overrides)
+    "small": (
+        "configs/debug.yaml",
+        {
+            "hidden_size": 128,
+            "intermediate_size": 344,
+            "num_layers": 2,
+            "num_heads": 4,
+            "num_kv_heads": 2,
+        },
+    ),
+    "tiny": ("configs/tiny.yaml", {}),
+}
+
+
+def bench_one(size: str, seq: int, attention: str, mesh, batch: int, repeats: int, peak: float):
+    path, overrides = SIZES[size]
+    cfg = load_config(path).model.model_copy(
+        update={
+            **overrides,
+            "attention": attention,
+            "max_seq_len": seq,
+            "block_q": 512,
+            "block_k": 512,
+            "remat_policy": "nothing_saveable",
+        }
+    )
+    model = create_model(cfg, mesh=mesh)
+    graphdef, params = nnx.split(model, nnx.Param)
+    tx, _ = make_optimizer(1e-4)
+    opt_state = tx.init(params)
+    sp = mesh.shape["sp"]
+    layout = zigzag_permutation(seq, sp) if attention == "ring" and sp > 1 else None
+    loader = SyntheticTokenLoader(
+        batch_size=batch, seq_len=seq, text_vocab_size=cfg.text_vocab_size, layout=layout
+    )
+    sharding = batch_sharding(mesh)
+    data = {k: jax.device_put(v, sharding) for k, v in next(loader).items()}
+    step = jax.jit(
+        lambda p, o, b: train_step(p, o, b, graphdef=graphdef, tx=tx, mesh=mesh),
+        out_shardings=(None, None, NamedSharding(mesh, P())),
+        donate_argnums=(0, 1),
+    )
+    t0 = time.perf_counter()
+    compiled = step.lower(params, opt_state, data).compile()
+    compile_s = time.perf_counter() - t0
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    params, opt_state, m = compiled(params, opt_state, data)  # warm-up
+    jax.block_until_ready(m)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        params, opt_state, m = compiled(params, opt_state, data)
+        jax.block_until_ready(m)
+        times.append(time.perf_counter() - t0)
+    dt = statistics.median(times)
+    tokens = batch * seq
+    flops = flops_per_token(cfg, seq).train * tokens
+    return {
+        "bench": "train_step",
+        "size": size,
+        "params": param_counts(cfg).total,
+        "attention": attention,
+        "seq": seq,
+        "batch": batch,
+        "mesh": dict(mesh.shape),
+        "step_s": round(dt, 4),
+        "compile_s": round(compile_s, 1),
+        "tokens_per_s": round(tokens / dt, 1),
+        "mfu": round(flops / dt / peak, 4),
+        "temp_bytes_per_device": temp,
+        "loss": float(m["loss"]),
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", default="small,tiny")
+    p.add_argument("--seqs", default="1024,4096")
+    p.add_argument("--attention", default="ring,dense")
+    p.add_argument("--mesh", default="1,1,8,1")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args()
+    mesh = make_mesh(args.mesh)
+    peak = measure_peak_flops(jax.devices()) * jax.device_count()
+    print(json.dumps({"bench": "peak_matmul", "flops_per_s_all_devices": round(peak)}), flush=True)
+    for size in args.sizes.split(","):
+        for seq in (int(s) for s in args.seqs.split(",")):
+            row = {}
+            for attention in args.attention.split(","):
+                try:
+                    rec = bench_one(size, seq, attention, mesh, args.batch, args.repeats, peak)
+                except Exception as e:  # e.g. out of memory for dense at long sequences
+                    rec = {
+                        "bench": "train_step",
+                        "size": size,
+                        "seq": seq,
+                        "attention": attention,
+                        "status": f"failed: {type(e).__name__}",
+                    }
+                row[attention] = rec
+                print(json.dumps(rec), flush=True)
+            if (
+                "ring" in row
+                and "dense" in row
+                and "step_s" in row["ring"]
+                and "step_s" in row["dense"]
+            ):
+                print(
+                    json.dumps(
+                        {
+                            "bench": "train_step_ratio",
+                            "size": size,
+                            "seq": seq,
+                            "ring_speedup_vs_dense": round(
+                                row["dense"]["step_s"] / row["ring"]["step_s"], 3
+                            ),
+                            "ring_temp_vs_dense": round(
+                                row["ring"]["temp_bytes_per_device"]
+                                / row["dense"]["temp_bytes_per_device"],
+                                3,
+                            ),
+                        }
+                    ),
+                    flush=True,
+                )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
