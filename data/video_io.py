@@ -1,0 +1,120 @@
+"""Reading videos (decord) and writing MP4/PNG files (PyAV, Pillow), atomically.
+
+    frames = read_video("clip.mp4")                 # uint8 [T, H, W, 3]
+    frames = read_video("clip.mp4", max_frames=8)   # 8 frames evenly spaced, as LWM samples
+    write_mp4("out.mp4", frames, fps=8)             # H.264, yuv420p
+    write_png("grid.png", image)                    # uint8 [H, W, 3]
+
+Writers go to a temporary name beside the target and rename it when complete, so a failed
+write never leaves a half-written file under the real name.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["VideoError", "read_video", "write_mp4", "write_png"]
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
+
+
+class VideoError(ValueError):
+    """A video or image file cannot be read or written; the message names the file."""
+
+
+def read_video(path: str | os.PathLike, max_frames: int | None = None) -> np.ndarray:
+    """All frames of a video (or one image as a one-frame video) as uint8 ``[T, H, W, 3]``.
+
+    With ``max_frames``, a longer video is sampled at ``max_frames`` evenly spaced frames
+    (``np.linspace(0, T - 1, max_frames)``, as LWM's vision chat does)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"video '{path}' not found")
+    if path.suffix.lower() in IMAGE_SUFFIXES:
+        from PIL import Image
+
+        try:
+            with Image.open(path) as image:
+                return np.asarray(image.convert("RGB"))[None]
+        except OSError as e:
+            raise VideoError(f"cannot read image '{path}': {e}") from None
+    import decord
+
+    try:
+        reader = decord.VideoReader(str(path), ctx=decord.cpu(0))
+    except (decord.DECORDError, RuntimeError) as e:  # decord raises RuntimeError on bad files
+        problem = " ".join(str(e).split())[:200]
+        raise VideoError(f"cannot read video '{path}': {problem}") from None
+    total = len(reader)
+    if total == 0:
+        raise VideoError(f"video '{path}' has no frames")
+    if max_frames is None or total <= max_frames:
+        indices = list(range(total))
+    else:
+        indices = np.linspace(0, total - 1, max_frames, dtype=int).tolist()
+    return reader.get_batch(indices).asnumpy()
+
+
+@contextmanager
+def _atomic_path(path: Path) -> Iterator[Path]:
+    """A temporary path beside ``path`` (same suffix) that is renamed to ``path`` on success."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=path.suffix, dir=path.parent)
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _check_frames(frames: np.ndarray, what: str) -> np.ndarray:
+    frames = np.asarray(frames)
+    if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[-1] != 3:
+        raise VideoError(
+            f"{what}: expected uint8 frames [T, H, W, 3], got {frames.dtype} {frames.shape}"
+        )
+    return frames
+
+
+def write_mp4(path: str | os.PathLike, frames: np.ndarray, fps: int = 8, crf: int = 12) -> None:
+    """Write uint8 ``[T, H, W, 3]`` frames as an H.264 MP4 (yuv420p; H and W must be even)."""
+    import av
+
+    path = Path(path)
+    frames = _check_frames(frames, f"writing '{path}'")
+    _, height, width, _ = frames.shape
+    if height % 2 or width % 2:
+        raise VideoError(f"writing '{path}': H.264 needs even frame sizes, got {height}x{width}")
+    with _atomic_path(path) as tmp, av.open(str(tmp), mode="w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=fps)
+        stream.width, stream.height = width, height
+        stream.pix_fmt = "yuv420p"
+        # Low CRF: the flat colours of the synthetic videos survive compression nearly intact.
+        stream.options = {"crf": str(crf), "preset": "medium"}
+        for frame in frames:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+
+
+def write_png(path: str | os.PathLike, image: np.ndarray) -> None:
+    """Write a uint8 ``[H, W, 3]`` image as PNG."""
+    from PIL import Image
+
+    path = Path(path)
+    image = np.asarray(image)
+    if image.dtype != np.uint8 or image.ndim != 3 or image.shape[-1] != 3:
+        raise VideoError(
+            f"writing '{path}': expected uint8 [H, W, 3], got {image.dtype} {image.shape}"
+        )
+    with _atomic_path(path) as tmp:
+        Image.fromarray(image).save(tmp, format="PNG")
