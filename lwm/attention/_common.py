@@ -80,6 +80,27 @@ def block_is_live(q_pos, kv_pos, q_seg, kv_seg, causal: bool, xp=jnp):
     return live
 
 
+DEAD, PARTIAL, FULL = 0, 1, 2
+
+
+def block_kind(q_pos, kv_pos, q_seg, kv_seg, causal: bool, xp=jnp):
+    """How much of a (query block, key block) pair is unmasked, from the ranges of positions
+    and segment ids: `DEAD` (nothing: skip it), `FULL` (everything: no mask needed) or
+    `PARTIAL`. Conservative: FULL and DEAD are only claimed when certain. Returns a Python
+    `FULL` when nothing can be masked at all, so callers can drop the branches."""
+    if not causal and q_seg is None:
+        return FULL
+    live = block_is_live(q_pos, kv_pos, q_seg, kv_seg, causal, xp)
+    full = True
+    if causal:
+        full = xp.min(q_pos) >= xp.max(kv_pos)
+    if q_seg is not None:
+        one = (xp.min(q_seg) == xp.max(q_seg)) & (xp.min(kv_seg) == xp.max(kv_seg))
+        same = one & (xp.min(q_seg) == xp.min(kv_seg))
+        full = same if full is True else full & same
+    return xp.where(live, xp.where(full, FULL, PARTIAL), DEAD)
+
+
 def default_positions(batch: int, seq: int) -> jax.Array:
     return jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
 

@@ -23,11 +23,12 @@ import jax.numpy as jnp
 from jax import lax
 
 from lwm.attention._common import (
+    FULL,
     PAD_KV_POSITION,
     PAD_KV_SEGMENT,
     PAD_Q_SEGMENT,
     attention_mask,
-    block_is_live,
+    block_kind,
     check_qkv,
     check_segments,
     default_positions,
@@ -66,6 +67,7 @@ class Spec(NamedTuple):
     block_q: int
     block_k: int
     precision: lax.Precision | None
+    kv_len: int  # keys and values per call (per device under ring attention), before padding
 
 
 def _pad(x: jax.Array | None, axis: int, size: int, value) -> jax.Array | None:
@@ -93,16 +95,21 @@ def needs_segments(kv_len: int, block_k: int, causal: bool, q_seg) -> bool:
     return q_seg is None and not causal and kv_len % block_k != 0
 
 
+def blocks_q(x: jax.Array, kv_heads: int, block: int) -> jax.Array:
+    """[b, s, h, d] -> [nq, b, kv_heads, h/kv_heads, block, d] (zero-padded)."""
+    b, s, h, d = x.shape
+    n = -(-s // block)
+    x = _pad(x, 1, n * block, 0)
+    return x.reshape(b, n, block, kv_heads, h // kv_heads, d).transpose(1, 0, 3, 4, 2, 5)
+
+
 def split_q(
     q: jax.Array, pos: jax.Array, seg: jax.Array | None, kv_heads: int, block: int
 ) -> QBlocks:
-    b, s, h, d = q.shape
-    n = -(-s // block)
-    q = _pad(q, 1, n * block, 0)
-    q = q.reshape(b, n, block, kv_heads, h // kv_heads, d).transpose(1, 0, 3, 4, 2, 5)
+    n = -(-q.shape[1] // block)
     pos = _blocks_1d(_pad(pos, 1, n * block, -1), n, block)
     seg = _blocks_1d(_pad(seg, 1, n * block, PAD_Q_SEGMENT), n, block)
-    return QBlocks(q, pos, seg)
+    return QBlocks(blocks_q(q, kv_heads, block), pos, seg)
 
 
 def merge_q(x: jax.Array, length: int) -> jax.Array:
@@ -149,19 +156,26 @@ def finalize_stats(stats: Stats) -> tuple[jax.Array, jax.Array]:
     return out, lse
 
 
-def _scores(q, k, qp, kp, qs, ks, spec: Spec):
+def _scores(q, k, qp, kp, qsg, ksg, spec: Spec, masked: bool):
     s = jnp.einsum("bhgqd,bhkd->bhgqk", q, k, preferred_element_type=F32, precision=spec.precision)
     s = s * spec.scale
-    mask = attention_mask(qp, kp, qs, ks, spec.causal)
+    mask = attention_mask(qp, kp, qsg, ksg, spec.causal) if masked else None
     if mask is not None:
         s = jnp.where(mask[:, None, None], s, -jnp.inf)
     return s
 
 
-def _maybe(live, compute, skip, operand):
-    if live is True:
-        return compute(operand)
-    return lax.cond(live, compute, skip, operand)
+def _by_kind(kind, compute, skip, operand):
+    """``compute(operand, masked)`` for live blocks (without the mask when the whole block is
+    visible), ``skip(operand)`` for dead ones."""
+    if kind is FULL:
+        return compute(operand, False)
+    branches = [skip, lambda x: compute(x, True), lambda x: compute(x, False)]
+    return lax.switch(kind, branches, operand)
+
+
+def _mm(spec: Spec, subscripts: str, a, b):
+    return jnp.einsum(subscripts, a, b, preferred_element_type=F32, precision=spec.precision)
 
 
 def fwd_chunk(qs: QBlocks, kv: KVBlocks, stats: Stats, spec: Spec) -> Stats:
@@ -172,26 +186,20 @@ def fwd_chunk(qs: QBlocks, kv: KVBlocks, stats: Stats, spec: Spec) -> Stats:
 
         def k_step(carry, ys):
             k, v, kp, ksg = ys
-            live = block_is_live(qp, kp, qsg, ksg, spec.causal)
 
-            def compute(carry):
+            def compute(carry, masked):
                 acc, m, lsum = carry
-                s = _scores(q, k, qp, kp, qsg, ksg, spec)
+                s = _scores(q, k, qp, kp, qsg, ksg, spec, masked)
                 m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-                m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
+                m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new) if masked else m_new
                 p = jnp.exp(s - m_safe[..., None])
                 alpha = jnp.exp(m - m_safe)
                 lsum = alpha * lsum + jnp.sum(p, axis=-1)
-                pv = jnp.einsum(
-                    "bhgqk,bhkd->bhgqd",
-                    p.astype(v.dtype),
-                    v,
-                    preferred_element_type=F32,
-                    precision=spec.precision,
-                )
+                pv = _mm(spec, "bhgqk,bhkd->bhgqd", p.astype(v.dtype), v)
                 return alpha[..., None] * acc + pv, m_new, lsum
 
-            return _maybe(live, compute, lambda c: c, carry), None
+            kind = block_kind(qp, kp, qsg, ksg, spec.causal)
+            return _by_kind(kind, compute, lambda c: c, carry), None
 
         carry, _ = lax.scan(k_step, (acc, m, lsum), (kv.k, kv.v, kv.pos, kv.seg))
         return None, carry
@@ -224,43 +232,22 @@ def bwd_chunk(
 
         def k_step(dq_b, ys):
             k, v, kp, ksg = ys
-            live = block_is_live(qp, kp, qsg, ksg, spec.causal)
 
-            def compute(dq_b):
-                s = _scores(q, k, qp, kp, qsg, ksg, spec)
+            def compute(dq_b, masked):
+                s = _scores(q, k, qp, kp, qsg, ksg, spec, masked)
                 p = jnp.exp(s - lse_b[..., None])
-                dv_c = jnp.einsum(
-                    "bhgqk,bhgqd->bhkd",
-                    p.astype(do_b.dtype),
-                    do_b,
-                    preferred_element_type=F32,
-                    precision=spec.precision,
-                )
-                dp = jnp.einsum(
-                    "bhgqd,bhkd->bhgqk",
-                    do_b,
-                    v,
-                    preferred_element_type=F32,
-                    precision=spec.precision,
-                )
+                dp = _mm(spec, "bhgqd,bhkd->bhgqk", do_b, v)
                 ds = (p * (dp - delta_b[..., None])) * spec.scale
-                dq_b = dq_b + jnp.einsum(
-                    "bhgqk,bhkd->bhgqd",
-                    ds.astype(k.dtype),
-                    k,
-                    preferred_element_type=F32,
-                    precision=spec.precision,
-                )
-                dk_c = jnp.einsum(
-                    "bhgqk,bhgqd->bhkd",
-                    ds.astype(q.dtype),
-                    q,
-                    preferred_element_type=F32,
-                    precision=spec.precision,
-                )
-                return dq_b, (dk_c, dv_c)
+                dq_b = dq_b + _mm(spec, "bhgqk,bhkd->bhgqd", ds.astype(k.dtype), k)
+                # dK and dV as [d, k] products, then a transpose of the small result:
+                # contracting the score block over queries directly makes XLA transpose the
+                # whole [q, k] block, which cost more than any one matmul here.
+                dk_c = _mm(spec, "bhgqd,bhgqk->bhdk", q, ds.astype(q.dtype))
+                dv_c = _mm(spec, "bhgqd,bhgqk->bhdk", do_b, p.astype(do_b.dtype))
+                return dq_b, (jnp.swapaxes(dk_c, -1, -2), jnp.swapaxes(dv_c, -1, -2))
 
-            return _maybe(live, compute, lambda d: (d, (zeros_k, zeros_k)), dq_b)
+            kind = block_kind(qp, kp, qsg, ksg, spec.causal)
+            return _by_kind(kind, compute, lambda d: (d, (zeros_k, zeros_k)), dq_b)
 
         dq_b, (dk_c, dv_c) = lax.scan(k_step, dq_b, (kv.k, kv.v, kv.pos, kv.seg))
         return (dk + dk_c, dv + dv_c), dq_b
@@ -307,7 +294,10 @@ def _prepare(q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec: Spec):
 
 
 def _forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec: Spec, axis_name: str | None):
+    """Output (input dtype), log-sum-exp, and the blocked queries and own key/value chunk,
+    which are all the backward pass needs."""
     qs, kv, vma = _prepare(q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec)
+    own_kv = kv
     stats = init_stats(qs, vma)
     n = _axis_size(axis_name)
     if n > 1:
@@ -320,16 +310,17 @@ def _forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec: Spec, axis_name: str |
         (kv, stats), _ = lax.scan(step, (kv, stats), None, length=n - 1)
     stats = fwd_chunk(qs, kv, stats, spec)  # the last chunk: nothing left to send
     out, lse = finalize_stats(stats)
-    return merge_q(out, q.shape[1]).astype(q.dtype), lse
+    return merge_q(out, q.shape[1]).astype(q.dtype), lse, qs, own_kv
 
 
 def _backward(res, dout, spec: Spec, axis_name: str | None):
-    q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse = res
-    qs, kv, vma = _prepare(q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec)
-    kvh = k.shape[2]
-    do = split_q(dout, q_pos, None, kvh, spec.block_q).q
-    o = split_q(out, q_pos, None, kvh, spec.block_q).q
-    delta = jnp.sum(do.astype(F32) * o.astype(F32), axis=-1)
+    qs, kv, out, lse = res
+    vma = union_vma(jax.tree.leaves(res))
+    kvh = kv.k.shape[2]
+    do = blocks_q(dout, kvh, spec.block_q)
+    # delta_i = sum_d dout_id * out_id, per query row, blocked like the queries.
+    rows = jnp.sum(dout.astype(F32) * out.astype(F32), axis=-1, keepdims=True)
+    delta = blocks_q(rows, kvh, spec.block_q)[..., 0]
     dq = full(qs.q.shape, 0.0, F32, vma)
     n = _axis_size(axis_name)
     if n > 1:
@@ -348,11 +339,10 @@ def _backward(res, dout, spec: Spec, axis_name: str | None):
         dk, dv = _send((dk + dk_c, dv + dv_c), axis_name, n)
     else:
         dq, dk, dv = bwd_chunk(qs, do, lse, delta, kv, dq, spec, vma)
-    sk = k.shape[1]
     return (
-        merge_q(dq, q.shape[1]).astype(q.dtype),
-        merge_kv(dk, sk).astype(k.dtype),
-        merge_kv(dv, sk).astype(v.dtype),
+        merge_q(dq, out.shape[1]).astype(out.dtype),
+        merge_kv(dk, spec.kv_len).astype(kv.k.dtype),
+        merge_kv(dv, spec.kv_len).astype(kv.v.dtype),
     )
 
 
@@ -365,8 +355,8 @@ def attention_core(q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec: Spec, axis_name:
 
 
 def _core_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec, axis_name):
-    out, lse = _forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec, axis_name)
-    return out, (q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse)
+    out, lse, qs, own_kv = _forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec, axis_name)
+    return out, (qs, own_kv, out, lse)
 
 
 def _core_bwd(spec, axis_name, res, dout):
@@ -391,10 +381,9 @@ def prepare_inputs(
     block_k,
     scale,
     precision,
-    kv_len_local: int | None = None,
 ):
-    """Validate, fill defaults, and make the static `Spec`. ``kv_len_local`` is the length of
-    the key chunk one kernel call sees (the shard length under ring attention)."""
+    """Validate, fill defaults, and make the static `Spec` (for local shards under ring
+    attention: lengths are what one kernel call sees)."""
     check_qkv(q, k, v)
     check_segments(q_segment_ids, kv_segment_ids)
     b, sq, _, d = q.shape
@@ -403,10 +392,8 @@ def prepare_inputs(
         q_positions = default_positions(b, sq)
     if kv_positions is None:
         kv_positions = default_positions(b, sk)
-    local_q = sq if kv_len_local is None else sq * kv_len_local // sk
-    local_k = sk if kv_len_local is None else kv_len_local
-    bq, bk = effective_blocks(local_q, local_k, block_q, block_k)
-    if needs_segments(local_k, bk, causal, q_segment_ids):
+    bq, bk = effective_blocks(sq, sk, block_q, block_k)
+    if needs_segments(sk, bk, causal, q_segment_ids):
         q_segment_ids = jnp.zeros((b, sq), jnp.int32)
         kv_segment_ids = jnp.zeros((b, sk), jnp.int32)
     spec = Spec(
@@ -415,6 +402,7 @@ def prepare_inputs(
         block_q=bq,
         block_k=bk,
         precision=precision,
+        kv_len=sk,
     )
     args = (
         q,

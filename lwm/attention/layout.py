@@ -53,6 +53,23 @@ def layout_permutation(layout: Layout, seq_len: int, num_shards: int) -> np.ndar
     raise ValueError(f"unknown layout '{layout}'; choose contiguous, zigzag or striped")
 
 
+def ring_block_size(length: int, block: int) -> int:
+    """The block size ring attention uses for a shard of ``length`` tokens: one that tiles
+    each half of the shard, so no block straddles a device's two zigzag chunks (a straddling
+    block mixes distant positions and is never skipped). Keeps ``block`` when only much
+    smaller blocks would tile the halves."""
+    if length % 2:
+        return block
+    half = length // 2
+    if block >= half:
+        return half
+    for count in range(-(-half // block), half + 1):
+        if half % count == 0:  # the largest size <= block that tiles the half
+            size = half // count
+            return size if 2 * size >= block else block
+    return block
+
+
 def inverse_permutation(perm: np.ndarray) -> np.ndarray:
     inv = np.empty_like(perm)
     inv[perm] = np.arange(perm.size)
@@ -76,7 +93,10 @@ def ring_schedule_work(
     """
     pos = layout_permutation(layout, seq_len, num_shards).reshape(num_shards, -1)
     local = pos.shape[1]
-    bq, bk = min(block_q, local), min(block_k, local)
+    if num_shards > 1:
+        bq, bk = ring_block_size(local, block_q), ring_block_size(local, block_k)
+    else:
+        bq, bk = min(block_q, local), min(block_k, local)
     if local % bq or local % bk:
         raise ValueError(f"blocks ({bq}, {bk}) must divide the shard length {local}")
     work = np.zeros((num_shards, num_shards), dtype=np.int64)

@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from lwm.attention._common import check_qkv
 from lwm.attention.blockwise import attention_core, prepare_inputs
+from lwm.attention.layout import ring_block_size
 
 
 def ring_attention_local(
@@ -50,6 +51,8 @@ def ring_attention_local(
         default = offset + jnp.broadcast_to(jnp.arange(s_local, dtype=jnp.int32), (b, s_local))
         q_positions = default if q_positions is None else q_positions
         kv_positions = default if kv_positions is None else kv_positions
+    if lax.axis_size(axis_name) > 1:
+        block_q, block_k = ring_block_size(s_local, block_q), ring_block_size(k.shape[1], block_k)
     args, spec = prepare_inputs(
         q,
         k,
