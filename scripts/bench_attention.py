@@ -1,0 +1,657 @@
+"""Benchmark causal attention on 8 simulated CPU devices: ours (ring, zigzag) vs LWM's
+`ringattention` package vs dense, plus single-device blockwise efficiency and long contexts.
+
+Prints one JSON line per measurement on stdout; progress goes to stderr. Needs the bench extra
+(``.venv/bin/pip install -e '.[dev,bench]'``) for the ``ringattention`` reference.
+
+Commands (the ones behind ``docs/benchmarks.md``; raw output in ``docs/bench_attention.jsonl``)::
+
+    # default sweep: ours / ringattention / dense, fwd and fwd_bwd, seq 4K..32K, after checking
+    # ours and ringattention against dense (outputs and gradients) at seq 2048
+    .venv/bin/python scripts/bench_attention.py --check
+    # single-device blockwise forward vs a matmul of the same FLOPs
+    .venv/bin/python scripts/bench_attention.py --efficiency-only --repeats 7
+    # long context, ours only (fwd 64K and 128K, fwd_bwd 32K); cases can be run one at a time
+    .venv/bin/python scripts/bench_attention.py --long --repeats 1
+    .venv/bin/python scripts/bench_attention.py --long --long-cases fwd:131072 --repeats 1
+    # one target case with more rounds
+    .venv/bin/python scripts/bench_attention.py --seqs 16384 --modes fwd_bwd \
+        --impls ours,ringattention --repeats 5
+
+    # a quick smoke run while developing
+    .venv/bin/python scripts/bench_attention.py --seqs 2048 --block 256 --repeats 1 --check
+
+FLOP convention (``tflops`` field): a causal forward counts the two matmuls (QK^T and PV),
+``4 * b * h * s^2 * d``, halved for the causal mask; a backward pass counts 2.5x the forward
+(five matmuls: QK^T recomputed, dV, dP, dQ, dK), so ``fwd_bwd`` = 3.5x ``fwd``.
+
+Timing: each (mode, seq) compiles every implementation first, then times them round-robin
+(``--repeats`` rounds), so a change in the load of a shared machine hits all alike; ``time_s`` is
+the median wall time, ``min_s`` the fastest call, ``cpu_s`` the median CPU time of this process
+(all threads; less sensitive to other users of a shared machine), ``host_load_1m`` the load
+average when the case finished.
+
+Memory: ``temp_bytes_per_device`` and ``arg_bytes_per_device`` come from
+``compiled.memory_analysis()``. For an SPMD program (``shard_map`` or automatic sharding) over
+the 8 simulated CPU devices XLA compiles one per-device program, so these numbers are per
+device (checked: a shard_map whose body makes a 4 MiB temporary on each of 8 devices reports
+4 MiB). Before running, a case whose predicted total (8 x (temp + args + output)) exceeds the
+memory available on the host is recorded as ``{"status": "oom"}`` instead of being run, since
+the kernel's OOM killer would otherwise take the whole process.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # a CPU benchmark: never probe an installed libtpu
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import types  # noqa: E402
+from collections.abc import Callable, Sequence  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+from functools import partial  # noqa: E402
+from typing import Any  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from lwm.attention import (  # noqa: E402
+    attention_flops,
+    blockwise_attention,
+    dense_attention,
+    ring_attention,
+)
+from lwm.attention.layout import zigzag_permutation  # noqa: E402
+
+DEVICES = 8
+BATCH = 1
+HEADS = 8
+HEAD_DIM = 64
+BWD_FLOP_FACTOR = 3.5  # fwd (1) + bwd (2.5)
+IMPLS = ("ours", "ringattention", "dense")
+MODES = ("fwd", "fwd_bwd")
+LONG_CASES = ("fwd:65536", "fwd:131072", "fwd_bwd:32768")
+X_SPEC = P(("dp", "fsdp"), "sp", "tp", None)
+POS_SPEC = P(("dp", "fsdp"), "sp")
+
+AttnFn = Callable[..., jax.Array]
+
+
+@dataclass(frozen=True)
+class Case:
+    impl: str
+    mode: str
+    seq: int
+
+
+@dataclass
+class Inputs:
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    cotangent: jax.Array
+    positions: jax.Array  # the zigzag permutation, [batch, seq], sharded like the tokens
+
+
+# --------------------------------------------------------------------------------------------
+# Output
+
+
+def emit(record: dict[str, Any]) -> None:
+    print(json.dumps(record), flush=True)
+
+
+def info(msg: str) -> None:
+    print(f"[bench_attention] {msg}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Setup
+
+
+def make_mesh() -> Mesh:
+    return jax.make_mesh(
+        (1, 1, DEVICES, 1),
+        ("dp", "fsdp", "sp", "tp"),
+        axis_types=(jax.sharding.AxisType.Auto,) * 4,
+    )
+
+
+def import_ringattention() -> Callable[..., jax.Array]:
+    """Import LWM's ``ringattention`` (v0.1.2), which calls ``jax.lib.xla_bridge.get_backend``
+    at import time; that module is gone on jax >= 0.8, so map it to ``jax.extend.backend``."""
+    import jax.extend.backend
+
+    bridge = getattr(jax.lib, "xla_bridge", None)
+    if bridge is None:
+        bridge = types.ModuleType("jax.lib.xla_bridge")
+        jax.lib.xla_bridge = bridge
+        sys.modules["jax.lib.xla_bridge"] = bridge
+    if not hasattr(bridge, "get_backend"):
+        bridge.get_backend = jax.extend.backend.get_backend
+    try:
+        from ringattention import ringattention
+    except ImportError as e:
+        raise SystemExit(
+            f"bench_attention: cannot import ringattention ({e}); install the bench extra: "
+            ".venv/bin/pip install -e '.[dev,bench]', or leave it out with --impls ours,dense"
+        ) from e
+    return ringattention
+
+
+def make_inputs(mesh: Mesh, seq: int, seed: int = 0) -> Inputs:
+    """Random q, k, v, cotangent, taken to be already in zigzag order; positions = the
+    permutation. (The reference and dense read the same arrays as contiguous tokens.)"""
+    keys = jax.random.split(jax.random.key(seed), 4)
+    shape = (BATCH, seq, HEADS, HEAD_DIM)
+    x_sharding = NamedSharding(mesh, X_SPEC)
+    q, k, v, ct = (
+        jax.device_put(jax.random.normal(key, shape, jnp.float32), x_sharding) for key in keys
+    )
+    perm = zigzag_permutation(seq, DEVICES).astype(np.int32)
+    positions = jax.device_put(
+        np.broadcast_to(perm, (BATCH, seq)).copy(), NamedSharding(mesh, POS_SPEC)
+    )
+    return Inputs(q, k, v, ct, positions)
+
+
+# --------------------------------------------------------------------------------------------
+# The three implementations, as f(q, k, v, positions) -> out on global arrays
+
+
+def ours_fn(mesh: Mesh, block: int) -> AttnFn:
+    def f(q, k, v, positions):
+        return ring_attention(
+            q,
+            k,
+            v,
+            mesh=mesh,
+            causal=True,
+            block_q=block,
+            block_k=block,
+            q_positions=positions,
+            kv_positions=positions,
+        )
+
+    return f
+
+
+def reference_fn(mesh: Mesh, block: int) -> AttnFn:
+    """LWM's ring attention as LWM calls it, minus the bias and segment ids (None: no padding
+    and one segment, so it does the same work as ours). Contiguous layout (it derives
+    positions from the device index), ``causal_block_size=1`` = token-level causal mask.
+    Its chunk sizes must divide the shard length (it does not clamp or pad)."""
+    ringattention = import_ringattention()
+    local = partial(
+        ringattention,
+        axis_name="sp",
+        float32_logits=True,
+        cache_idx=None,
+        blockwise_kwargs=dict(
+            causal_block_size=1,
+            deterministic=True,
+            dropout_rng=None,
+            attn_pdrop=0.0,
+            query_chunk_size=block,
+            key_chunk_size=block,
+            policy=jax.checkpoint_policies.nothing_saveable,
+            dtype=jnp.float32,
+            precision=None,
+            prevent_cse=True,  # no effect here: its jax.checkpoint sits inside a custom_vjp
+        ),
+    )
+
+    def body(q, k, v):
+        return local(q, k, v, None, None)
+
+    # ringattention's scans start from unmarked jnp.zeros carries: it needs check_vma=False.
+    sharded = jax.shard_map(
+        body, mesh=mesh, in_specs=(X_SPEC,) * 3, out_specs=X_SPEC, check_vma=False
+    )
+
+    def f(q, k, v, positions):
+        del positions
+        return sharded(q, k, v)
+
+    return f
+
+
+def dense_fn(mesh: Mesh, block: int) -> AttnFn:
+    del mesh, block
+
+    def f(q, k, v, positions):
+        del positions  # contiguous order
+        return dense_attention(q, k, v, causal=True)
+
+    return f
+
+
+IMPL_FNS: dict[str, Callable[[Mesh, int], AttnFn]] = {
+    "ours": ours_fn,
+    "ringattention": reference_fn,
+    "dense": dense_fn,
+}
+
+
+def jitted_step(attn: AttnFn, mode: str, mesh: Mesh) -> tuple[Any, Callable[[Inputs], tuple]]:
+    """Jit ``attn`` for one mode; return it and how to pick its arguments from `Inputs`."""
+    x_sh = NamedSharding(mesh, X_SPEC)
+    pos_sh = NamedSharding(mesh, POS_SPEC)
+    if mode == "fwd":
+        fn = jax.jit(attn, in_shardings=(x_sh, x_sh, x_sh, pos_sh), out_shardings=x_sh)
+        return fn, lambda a: (a.q, a.k, a.v, a.positions)
+
+    def loss_grad(q, k, v, ct, positions):
+        def loss(q, k, v):
+            return jnp.sum(attn(q, k, v, positions) * ct)
+
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    fn = jax.jit(loss_grad, in_shardings=(x_sh,) * 4 + (pos_sh,), out_shardings=(x_sh,) * 3)
+    return fn, lambda a: (a.q, a.k, a.v, a.cotangent, a.positions)
+
+
+# --------------------------------------------------------------------------------------------
+# Measuring
+
+
+def available_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 1 << 62
+
+
+def is_oom(err: BaseException) -> bool:
+    text = f"{type(err).__name__} {err}".lower()
+    return any(
+        w in text
+        for w in (
+            "resource_exhausted",
+            "out of memory",
+            "oom",
+            "memoryerror",
+            "failed to allocate",
+            "bad_alloc",
+        )
+    )
+
+
+def timed_call(compiled: Any, args: Sequence[Any]) -> tuple[float, float]:
+    """Wall and process CPU seconds of one call. On a shared machine the CPU time (all threads
+    of this process) is less sensitive to other users' load than the wall time."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    jax.block_until_ready(compiled(*args))
+    return time.perf_counter() - t0, time.process_time() - c0
+
+
+def time_calls(compiled: Any, args: Sequence[Any], repeats: int) -> list[float]:
+    return [timed_call(compiled, args)[0] for _ in range(repeats)]
+
+
+@dataclass
+class Prepared:
+    """One compiled case waiting to be timed; ``compiled`` is None once it has failed."""
+
+    case: Case
+    record: dict[str, Any]
+    compiled: Any
+    args: tuple
+    times: list[float]
+    cpu_times: list[float] = field(default_factory=list)
+
+
+def base_record(case: Case, block: int) -> dict[str, Any]:
+    return {
+        "bench": "attention",
+        "impl": case.impl,
+        "mode": case.mode,
+        "seq": case.seq,
+        "heads": HEADS,
+        "head_dim": HEAD_DIM,
+        "devices": DEVICES,
+        "block": block,
+    }
+
+
+def memory_fields(compiled: Any) -> dict[str, int]:
+    """Per-device sizes: XLA compiles one program per device for an SPMD computation."""
+    mem = compiled.memory_analysis()
+    return {
+        "temp_bytes_per_device": int(mem.temp_size_in_bytes),
+        "arg_bytes_per_device": int(mem.argument_size_in_bytes),
+        "out_bytes_per_device": int(mem.output_size_in_bytes),
+    }
+
+
+def memory_guard(fields: dict[str, int], devices: int) -> str | None:
+    """Why a case must not run (it would exceed host memory), or None."""
+    need = devices * sum(fields.values())
+    avail = available_bytes()
+    if need > 0.85 * avail:
+        return (
+            f"predicted {need / 2**30:.1f} GiB > 85% of {avail / 2**30:.1f} GiB available; not run"
+        )
+    return None
+
+
+def failure(err: BaseException) -> dict[str, str]:
+    return {"status": "oom" if is_oom(err) else "error", "error": str(err).splitlines()[0][:300]}
+
+
+def prepare_case(case: Case, mesh: Mesh, inputs: Inputs, block: int) -> Prepared:
+    """Jit, compile (timed) and check memory; nothing is run yet."""
+    info(f"compile {case.impl} {case.mode} seq={case.seq}")
+    record = base_record(case, block)
+    try:
+        fn, pick = jitted_step(IMPL_FNS[case.impl](mesh, block), case.mode, mesh)
+        args = pick(inputs)
+        t0 = time.perf_counter()
+        compiled = fn.lower(*args).compile()
+        record["compile_s"] = round(time.perf_counter() - t0, 3)
+        record.update(memory_fields(compiled))
+    except Exception as e:  # a failed case (compile error, OOM) is a result, not a crash
+        record.update(failure(e))
+        return Prepared(case, record, None, (), [])
+    reason = memory_guard(memory_fields(compiled), DEVICES)
+    if reason:
+        record.update(status="oom", reason=reason)
+        compiled = None
+    return Prepared(case, record, compiled, args, [])
+
+
+def time_interleaved(cases: Sequence[Prepared], repeats: int) -> None:
+    """Time ``repeats`` calls of each case, round-robin, so that a change in the load of the
+    shared machine hits every implementation alike."""
+    for _ in range(repeats):
+        for p in cases:
+            if p.compiled is None:
+                continue
+            try:
+                wall, cpu = timed_call(p.compiled, p.args)
+                p.times.append(wall)
+                p.cpu_times.append(cpu)
+            except Exception as e:  # e.g. an allocation failure while running
+                p.record.update(failure(e))
+                p.compiled = None
+
+
+def finish(p: Prepared) -> dict[str, Any]:
+    """The JSON record of a timed case: median time, FLOP rate."""
+    record = p.record
+    if p.compiled is not None and p.times:
+        t = statistics.median(p.times)
+        flops = attention_flops(BATCH, p.case.seq, p.case.seq, HEADS, HEAD_DIM, causal=True)
+        flops *= BWD_FLOP_FACTOR if p.case.mode == "fwd_bwd" else 1.0
+        record.update(
+            time_s=round(t, 4),
+            min_s=round(min(p.times), 4),
+            cpu_s=round(statistics.median(p.cpu_times), 4),
+            times_s=[round(x, 4) for x in p.times],
+            tflops=round(flops / t / 1e12, 5),
+            status="ok",
+            host_load_1m=round(os.getloadavg()[0], 2),  # the machine is shared: context for times
+        )
+    info(
+        f"{p.case.impl} {p.case.mode} seq={p.case.seq}: {record.get('status')} "
+        f"time={record.get('time_s')} temp/dev={record.get('temp_bytes_per_device')}"
+    )
+    return record
+
+
+def run_cases(
+    cases: Sequence[Case], mesh: Mesh, inputs: Inputs, args: argparse.Namespace
+) -> dict[str, dict[str, Any]]:
+    prepared = [prepare_case(c, mesh, inputs, args.block) for c in cases]
+    time_interleaved(prepared, args.repeats)
+    results = {p.case.impl: finish(p) for p in prepared}
+    for record in results.values():
+        emit(record)
+    return results
+
+
+def ratio_record(mode: str, seq: int, results: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    ours, ref = results.get("ours"), results.get("ringattention")
+    if not ours or not ref or ours.get("status") != "ok" or ref.get("status") != "ok":
+        return None
+    return {
+        "bench": "attention_ratio",
+        "mode": mode,
+        "seq": seq,
+        "ours_vs_ringattention_speedup": round(ref["time_s"] / ours["time_s"], 3),
+        "temp_bytes_ratio": round(
+            ours["temp_bytes_per_device"] / max(ref["temp_bytes_per_device"], 1), 3
+        ),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Parts of the benchmark
+
+
+def check_against_dense(mesh: Mesh, block: int, seq: int) -> None:
+    """Ours and the reference must match dense attention, output and gradients, each in its
+    own token order (ours: zigzag positions; the reference: contiguous)."""
+    if seq % (DEVICES * block):
+        raise SystemExit(f"bench_attention: --check-seq {seq} must be a multiple of 8 x block")
+    a = make_inputs(mesh, seq, seed=1)
+
+    def dense_zigzag(q, k, v, positions):
+        return dense_attention(q, k, v, causal=True, q_positions=positions, kv_positions=positions)
+
+    refs = {"ours": dense_zigzag, "ringattention": dense_fn(mesh, block)}
+    for impl, dense in refs.items():
+        for mode in MODES:
+            fn, pick = jitted_step(IMPL_FNS[impl](mesh, block), mode, mesh)
+            want_fn, _ = jitted_step(dense, mode, mesh)
+            got = jax.tree.leaves(fn(*pick(a)))
+            want = jax.tree.leaves(want_fn(*pick(a)))
+            err = max(float(jnp.max(jnp.abs(g - w))) for g, w in zip(got, want, strict=True))
+            emit(
+                {
+                    "bench": "attention_check",
+                    "impl": impl,
+                    "mode": mode,
+                    "seq": seq,
+                    "block": block,
+                    "max_abs_err_vs_dense": err,
+                    "status": "ok" if err < 1e-4 else "mismatch",
+                }
+            )
+
+
+def run_sweep(args: argparse.Namespace, mesh: Mesh) -> None:
+    for seq in args.seqs:
+        inputs = make_inputs(mesh, seq)
+        for mode in args.modes:
+            impls = [i for i in args.impls if i != "dense" or seq <= args.dense_max_seq]
+            if len(impls) < len(args.impls):
+                info(f"dense {mode} seq={seq}: skipped (> --dense-max-seq {args.dense_max_seq})")
+            results = run_cases([Case(i, mode, seq) for i in impls], mesh, inputs, args)
+            ratio = ratio_record(mode, seq, results)
+            if ratio:
+                emit(ratio)
+        del inputs
+
+
+def run_long(args: argparse.Namespace, mesh: Mesh) -> None:
+    for spec in args.long_cases:
+        mode, seq = parse_long_case(spec)
+        inputs = make_inputs(mesh, seq)
+        prepared = prepare_case(Case("ours", mode, seq), mesh, inputs, args.block)
+        time_interleaved([prepared], args.repeats)
+        emit(finish(prepared) | {"long": True})
+        del inputs, prepared
+
+
+def round_robin_medians(calls: dict[str, tuple[Any, tuple]], repeats: int) -> dict[str, float]:
+    """Compile each ``name -> (jitted, args)``, warm it up, then time the calls round-robin;
+    median seconds per name."""
+    compiled = {name: (fn.lower(*a).compile(), a) for name, (fn, a) in calls.items()}
+    for c, a in compiled.values():
+        jax.block_until_ready(c(*a))  # warm-up, not timed
+    times: dict[str, list[float]] = {name: [] for name in compiled}
+    for _ in range(repeats):
+        for name, (c, a) in compiled.items():
+            times[name] += time_calls(c, a, 1)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def run_efficiency(args: argparse.Namespace) -> None:
+    """Single-device blockwise forward vs a matmul of the same FLOPs as non-causal attention
+    (at seq 4096: 4*h*s^2*d = 2 * 2048 * 4096 * 2048). Causal counts only the live half."""
+    dev = jax.devices()[0]
+    seq = args.efficiency_seq
+    keys = jax.random.split(jax.random.key(2), 3)
+    shape = (1, seq, HEADS, HEAD_DIM)
+    q, k, v = (jax.device_put(jax.random.normal(key, shape, jnp.float32), dev) for key in keys)
+    full_flops = attention_flops(1, seq, seq, HEADS, HEAD_DIM, causal=False)
+    m = round((full_flops / 4) ** (1 / 3))  # [m, 2m] @ [2m, m]: 4 m^3 FLOPs
+    a = jax.device_put(jax.random.normal(keys[0], (m, 2 * m), jnp.float32), dev)
+    b = jax.device_put(jax.random.normal(keys[1], (2 * m, m), jnp.float32), dev)
+    info(f"efficiency: matmul [{m},{2 * m}]@[{2 * m},{m}] vs blockwise seq={seq} on {dev}")
+    calls = {"matmul": (jax.jit(jnp.matmul), (a, b))}
+    for causal in (False, True):
+        fn = partial(blockwise_attention, causal=causal, block_q=args.block, block_k=args.block)
+        calls[f"causal={causal}"] = (jax.jit(fn), (q, k, v))
+    medians = round_robin_medians(calls, args.repeats)
+    mm_tflops = 4.0 * m**3 / medians["matmul"] / 1e12
+    for causal in (False, True):
+        t = medians[f"causal={causal}"]
+        bw_tflops = attention_flops(1, seq, seq, HEADS, HEAD_DIM, causal=causal) / t / 1e12
+        emit(
+            {
+                "bench": "blockwise_efficiency",
+                "causal": causal,
+                "seq": seq,
+                "heads": HEADS,
+                "head_dim": HEAD_DIM,
+                "block": args.block,
+                "time_s": round(t, 4),
+                "blockwise_tflops": round(bw_tflops, 5),
+                "matmul_time_s": round(medians["matmul"], 4),
+                "matmul_tflops": round(mm_tflops, 5),
+                "matmul_shape": [m, 2 * m, m],
+                "fraction": round(bw_tflops / mm_tflops, 4),
+            }
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Command line
+
+
+def parse_long_case(spec: str) -> tuple[str, int]:
+    mode, _, seq = spec.partition(":")
+    if mode not in MODES or not seq.isdigit():
+        raise SystemExit(
+            f"bench_attention: bad --long-cases entry '{spec}'; want MODE:SEQ "
+            f"with MODE in {MODES}, e.g. fwd:65536"
+        )
+    return mode, int(seq)
+
+
+def csv_ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def csv_choices(choices: Sequence[str]) -> Callable[[str], list[str]]:
+    def parse(text: str) -> list[str]:
+        items = [x for x in text.split(",") if x]
+        bad = [x for x in items if x not in choices]
+        if bad:
+            raise argparse.ArgumentTypeError(f"unknown {bad}; choose from {list(choices)}")
+        return items
+
+    return parse
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--seqs",
+        type=csv_ints,
+        default=[4096, 8192, 16384, 32768],
+        help="comma-separated sequence lengths (default 4096,8192,16384,32768)",
+    )
+    p.add_argument("--modes", type=csv_choices(MODES), default=list(MODES))
+    p.add_argument("--impls", type=csv_choices(IMPLS), default=list(IMPLS))
+    p.add_argument("--block", type=int, default=512, help="block_q = block_k (default 512)")
+    p.add_argument("--repeats", type=int, default=3, help="timed calls per case (median)")
+    p.add_argument(
+        "--dense-max-seq",
+        type=int,
+        default=16384,
+        help="skip dense above this length (default 16384)",
+    )
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="first check ours and ringattention against dense at --check-seq",
+    )
+    p.add_argument("--check-seq", type=int, default=2048)
+    p.add_argument(
+        "--check-block",
+        type=int,
+        default=128,
+        help="block for --check (default 128 = the zigzag chunk at seq 2048)",
+    )
+    p.add_argument(
+        "--long",
+        action="store_true",
+        help="run only the long-context cases of ours (see --long-cases)",
+    )
+    p.add_argument(
+        "--long-cases",
+        nargs="+",
+        default=list(LONG_CASES),
+        help=f"MODE:SEQ cases for --long (default {' '.join(LONG_CASES)})",
+    )
+    p.add_argument(
+        "--efficiency-only",
+        action="store_true",
+        help="run only the single-device blockwise vs matmul comparison",
+    )
+    p.add_argument(
+        "--efficiency", action="store_true", help="also run the efficiency part after the sweep"
+    )
+    p.add_argument("--efficiency-seq", type=int, default=4096)
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    info(
+        f"jax {jax.__version__}, {len(jax.devices())} {jax.devices()[0].platform} devices, "
+        f"{os.cpu_count()} host cores"
+    )
+    if args.efficiency_only:
+        run_efficiency(args)
+        return
+    mesh = make_mesh()
+    if args.check:
+        check_against_dense(mesh, args.check_block, args.check_seq)
+    if args.long:
+        run_long(args, mesh)
+        return
+    run_sweep(args, mesh)
+    if args.efficiency:
+        run_efficiency(args)
+
+
+if __name__ == "__main__":
+    main()
