@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "show a config's parameter counts, FLOPs per token and per-device memory",
     ),
     "train": ("lwm.commands.train", "train the model (sharded, checkpointed, resumable)"),
+    "tokenize": ("lwm.commands.tokenize", "videos, images and text to an LWM token dataset"),
 }
 
 # Errors caused by the user's input: reported as one line, exit status 2, no traceback.

@@ -1,0 +1,458 @@
+"""`lwm tokenize`: videos, images and text to LWM token streams in a tfds array_record dataset.
+
+Pipeline: worker processes decode, sample, resize and crop the media of the items in dataset
+order (`data.decode`, a bounded number in flight); the main process gathers their frames into
+full batches of ``batch_frames`` and encodes them with the VQGAN (jitted), so the encoder is fed
+while the workers read; each finished item becomes one record (`data.tokens.build_example`).
+
+Resumable: the items are cut into chunks of ``chunk_size`` (in input order); a finished chunk is
+written to ``OUT.partial/chunk-NNNNN.array_record`` with its summary ``chunk-NNNNN.json`` (written
+last: a chunk is done when its JSON exists). A rerun with the same arguments skips the done
+chunks; encoder batches never span chunks, so every chunk's records are the same whether or not
+the run was interrupted. When all chunks are done the dataset is assembled in
+``OUT.partial/dataset`` and renamed to ``OUT``: ``OUT`` appears only complete.
+
+Failures (missing, empty, unreadable or truncated files, too few frames) are items without a
+record: one line each, ``PATH: problem``, in ``OUT.errors.txt`` (beside ``OUT``), and counted in
+the summary. With ``strict``, any failure leaves ``OUT`` unwritten and makes a non-zero exit; the
+work directory is kept, so rerunning without ``--strict`` publishes the records at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing
+import os
+import shutil
+import sys
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from data import dataset_io
+from data.decode import Decoded, DecodeOptions, decode_item
+from data.manifest import Item, read_inputs
+from data.tokens import EOF_ID, EOV_ID, NUM_CODES, TextCodec, build_example
+
+__all__ = ["Encoder", "TokenizeError", "TokenizeOptions", "TokenizeSummary", "tokenize_dataset"]
+
+SPLIT = "train"
+
+
+class TokenizeError(Exception):
+    """The job cannot run as asked (existing output, a work directory of other arguments...)."""
+
+
+class Encoder(Protocol):
+    """What the pipeline needs of a VQGAN (`vqgan.load_tokenizer` gives one)."""
+
+    resolution: int
+    tokens_per_frame: int
+    codebook_size: int
+
+    def encode(self, frames: np.ndarray) -> np.ndarray: ...
+
+
+@dataclass
+class TokenizeOptions:
+    input: str
+    output: str
+    vqgan: str
+    tokenizer: str | None = None
+    fps: float | None = None
+    max_frames: int | None = None
+    min_frames: int = 1
+    workers: int = 2
+    batch_frames: int = 64
+    chunk_size: int = 256
+    strict: bool = False
+    progress: bool = True
+
+
+@dataclass
+class TokenizeSummary:
+    items: int = 0
+    ok: int = 0
+    failed: int = 0
+    frames: int = 0  # frames encoded in this run
+    tokens: int = 0  # tokens in the dataset
+    seconds: float = 0.0
+    encode_seconds: float = 0.0
+    started: float = 0.0  # time.perf_counter() at the start of the run
+    resumed_chunks: int = 0
+    published: bool = False
+    output: str = ""
+    errors_path: str | None = None
+    errors: list[str] = field(default_factory=list)
+
+    def lines(self) -> list[str]:
+        busy = 100 * self.encode_seconds / self.seconds if self.seconds else 0.0
+        rate = self.frames / self.seconds if self.seconds else 0.0
+        out = [
+            f"{self.items} items: {self.ok} ok, {self.failed} failed"
+            + (f" (see {self.errors_path})" if self.failed else ""),
+            f"{self.frames} frames encoded in {self.seconds:.1f} s ({rate:.1f} frames/s); "
+            f"encoder busy {busy:.0f}% of the time"
+            + (
+                f"; {self.resumed_chunks} chunks from an earlier run" if self.resumed_chunks else ""
+            ),
+        ]
+        if self.published:
+            out.append(f"wrote {self.output} ({self.ok} records, {self.tokens} tokens)")
+        return out
+
+
+def _load_encoder(path: str, batch_frames: int) -> Encoder:
+    import vqgan
+
+    return vqgan.load_tokenizer(path, batch_size=batch_frames)
+
+
+def tokenize_dataset(
+    opts: TokenizeOptions, encoder: Encoder | None = None, log=None
+) -> TokenizeSummary:
+    """Run the job described by ``opts`` (see the module docstring); returns its summary."""
+    log = log or (lambda msg: print(msg, file=sys.stderr))
+    out = Path(opts.output)
+    work = out.with_name(out.name + ".partial")
+    if out.exists():
+        raise TokenizeError(f"output '{out}' already exists; remove it or choose another --output")
+    items = read_inputs(opts.input)
+    codec = TextCodec.load(opts.tokenizer)
+    encoder = encoder if encoder is not None else _load_encoder(opts.vqgan, opts.batch_frames)
+    if encoder.codebook_size > NUM_CODES:
+        raise TokenizeError(
+            f"VQGAN '{opts.vqgan}' has {encoder.codebook_size} codes; the token stream has room "
+            f"for {NUM_CODES}"
+        )
+    job = _job(opts, items, codec, encoder)
+    _open_work_dir(work, job)
+
+    num_chunks = -(-len(items) // opts.chunk_size)
+    done = {c for c in range(num_chunks) if _chunk_json(work, c).is_file()}
+    todo = [c for c in range(num_chunks) if c not in done]
+    summary = TokenizeSummary(items=len(items), resumed_chunks=len(done), output=str(out))
+    if done:
+        log(f"resuming: {len(done)} of {num_chunks} chunks already done in {work}")
+    decode_opts = DecodeOptions(encoder.resolution, opts.fps, opts.max_frames, opts.min_frames)
+    indices = [i for c in todo for i in _chunk_range(c, opts.chunk_size, len(items))]
+    start = summary.started = time.perf_counter()
+    bar = _progress(opts, len(items), len(items) - len(indices))
+    stream = _decode_stream(items, indices, decode_opts, opts.workers)
+    try:
+        for c in todo:
+            chunk = _Chunk(items, codec, encoder, opts.batch_frames, summary, bar, log)
+            for i in _chunk_range(c, opts.chunk_size, len(items)):
+                decoded = next(stream)
+                assert decoded.index == i, (decoded.index, i)
+                chunk.add(decoded)
+            chunk.finish()
+            chunk.save(work, c)
+    finally:
+        stream.close()  # stops the worker processes
+        if bar is not None:
+            bar.close()
+    summary.seconds = time.perf_counter() - start
+    return _finish(work, out, num_chunks, opts, job, summary, log)
+
+
+# ----------------------------------------------------------------------------------------------
+# one chunk: frames gathered into full encoder batches, records in item order
+
+
+class _Chunk:
+    def __init__(self, items, codec, encoder, batch_frames, summary, bar, log):
+        self.items, self.codec, self.encoder = items, codec, encoder
+        self.batch_frames, self.summary, self.bar, self.log = batch_frames, summary, bar, log
+        self.queue: deque[tuple[int, np.ndarray]] = deque()  # frames waiting for the encoder
+        self.queued = 0
+        self.codes: dict[int, list[np.ndarray]] = {}
+        self.wanted: dict[int, int] = {}  # item -> frames it needs
+        self.records: dict[int, dict[str, Any]] = {}
+        self.errors: list[str] = []
+        self.frames = 0
+
+    def add(self, d: Decoded) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+        if d.error is not None:
+            self.errors.append(d.error)
+            self._report(d.error)
+        elif d.frames is None:
+            self._record(d.index, None)
+        else:
+            self.wanted[d.index] = len(d.frames)
+            self.codes[d.index] = []
+            self.queue.append((d.index, d.frames))
+            self.queued += len(d.frames)
+            while self.queued >= self.batch_frames:
+                self._encode(self.batch_frames)
+
+    def finish(self) -> None:
+        while self.queued:
+            self._encode(min(self.queued, self.batch_frames))
+
+    def _encode(self, n: int) -> None:
+        """Encode the first ``n`` queued frames (one batch, padded to ``batch_frames``)."""
+        parts, owners, left = [], [], n
+        while left:
+            index, frames = self.queue[0]
+            take = frames[:left]
+            parts.append(take)
+            owners.append((index, len(take)))
+            if len(take) == len(frames):
+                self.queue.popleft()
+            else:
+                self.queue[0] = (index, frames[len(take) :])
+            left -= len(take)
+        batch = np.concatenate(parts)
+        if n < self.batch_frames:  # the last batch of a chunk: same shape, same program
+            pad = np.zeros((self.batch_frames - n, *batch.shape[1:]), batch.dtype)
+            batch = np.concatenate([batch, pad])
+        t0 = time.perf_counter()
+        codes = np.asarray(self.encoder.encode(batch[None]))[0, :n]
+        self.summary.encode_seconds += time.perf_counter() - t0
+        self.queued -= n
+        self.frames += n
+        self.summary.frames += n
+        if self.bar is not None:
+            elapsed = time.perf_counter() - self.summary.started
+            self.bar.set_postfix_str(f"{self.summary.frames / max(elapsed, 1e-9):.1f} frames/s")
+        at = 0
+        for index, count in owners:
+            self.codes[index].append(codes[at : at + count])
+            at += count
+            if sum(len(c) for c in self.codes[index]) == self.wanted[index]:
+                self._record(index, np.concatenate(self.codes.pop(index)))
+
+    def _record(self, index: int, codes: np.ndarray | None) -> None:
+        item: Item = self.items[index]
+        try:
+            streams = build_example(self.codec, codes, text=item.text, qa=item.qa_dicts())
+        except ValueError as e:
+            error = f"{item.path or f'text item {index}'}: {e}"
+            self.errors.append(error)
+            self._report(error)
+            return
+        self.records[index] = {
+            **streams,
+            "source": item.path or "",
+            "kind": item.kind,
+            "num_frames": 0 if codes is None else len(codes),
+        }
+
+    def _report(self, error: str) -> None:
+        if self.bar is not None:
+            self.bar.write(f"failed: {error}", file=sys.stderr)
+        else:
+            self.log(f"failed: {error}")
+
+    def save(self, work: Path, c: int) -> None:
+        writer = dataset_io.ShardWriter(_chunk_shard(work, c))
+        lengths = []
+        for index in sorted(self.records):
+            record = self.records[index]
+            writer.write(record)
+            lengths.append(len(record["tokens"]))
+        writer.close()
+        info = {
+            "count": writer.count,
+            "num_bytes": writer.num_bytes,
+            "lengths": lengths,
+            "vision_tokens": int(sum(r["vision_mask"].sum() for r in self.records.values())),
+            "frames": self.frames,
+            "errors": self.errors,
+        }
+        _write_json(_chunk_json(work, c), info)
+
+
+# ----------------------------------------------------------------------------------------------
+# decoding in worker processes, in order, a bounded number ahead
+
+
+def _worker_init() -> None:
+    os.environ["JAX_PLATFORMS"] = (
+        "cpu"  # workers resize on the CPU; the accelerator is the encoder's
+    )
+
+
+def _decode_stream(
+    items: list[Item], indices: list[int], options: DecodeOptions, workers: int
+) -> Iterator[Decoded]:
+    if workers <= 0:
+        for i in indices:
+            yield decode_item(i, items[i], options)
+        return
+    ahead = 2 * workers + 2
+    ctx = multiprocessing.get_context("spawn")  # no fork of a process that holds JAX state
+    with ctx.Pool(workers, initializer=_worker_init) as pool:
+        pending: deque = deque()
+        upcoming = iter(indices)
+
+        def submit() -> None:
+            i = next(upcoming, None)
+            if i is not None:
+                pending.append(pool.apply_async(decode_item, (i, items[i], options)))
+
+        for _ in range(ahead):
+            submit()
+        while pending:
+            result = pending.popleft().get()
+            submit()
+            yield result
+
+
+# ----------------------------------------------------------------------------------------------
+# the work directory, and the dataset assembled from it
+
+
+def _chunk_range(c: int, size: int, total: int) -> range:
+    return range(c * size, min((c + 1) * size, total))
+
+
+def _chunk_shard(work: Path, c: int) -> Path:
+    return work / f"chunk-{c:05d}.array_record"
+
+
+def _chunk_json(work: Path, c: int) -> Path:
+    return work / f"chunk-{c:05d}.json"
+
+
+def _write_json(path: Path, data: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def _job(opts: TokenizeOptions, items: list[Item], codec: TextCodec, encoder: Encoder) -> dict:
+    """Everything the records depend on; a rerun continues only a job with the same values."""
+    listing = json.dumps([item.to_json() for item in items], sort_keys=True).encode()
+    return {
+        "input": str(Path(opts.input).absolute()),
+        "items": len(items),
+        "items_sha256": hashlib.sha256(listing).hexdigest(),
+        "vqgan": str(Path(opts.vqgan).absolute()),
+        "resolution": encoder.resolution,
+        "tokens_per_frame": encoder.tokens_per_frame,
+        "codebook_size": encoder.codebook_size,
+        "text_tokenizer": codec.metadata(),
+        "fps": opts.fps,
+        "max_frames": opts.max_frames,
+        "min_frames": opts.min_frames,
+        "batch_frames": opts.batch_frames,
+        "chunk_size": opts.chunk_size,
+    }
+
+
+def _open_work_dir(work: Path, job: dict) -> None:
+    path = work / "job.json"
+    if path.is_file():
+        old = json.loads(path.read_text())
+        differ = sorted(k for k in set(old) | set(job) if old.get(k) != job.get(k))
+        if differ:
+            raise TokenizeError(
+                f"'{work}' holds an interrupted run with other arguments or inputs "
+                f"({', '.join(differ)} differ); rerun with the same arguments to continue it, "
+                "or remove it to start over"
+            )
+        return
+    work.mkdir(parents=True, exist_ok=True)
+    _write_json(path, job)
+
+
+def _finish(
+    work: Path,
+    out: Path,
+    num_chunks: int,
+    opts: TokenizeOptions,
+    job: dict,
+    summary: TokenizeSummary,
+    log,
+) -> TokenizeSummary:
+    infos = [json.loads(_chunk_json(work, c).read_text()) for c in range(num_chunks)]
+    summary.errors = [e for info in infos for e in info["errors"]]
+    summary.failed = len(summary.errors)
+    summary.ok = sum(info["count"] for info in infos)
+    summary.tokens = sum(sum(info["lengths"]) for info in infos)
+    errors_path = out.with_name(out.name + ".errors.txt")
+    if summary.errors:
+        tmp = errors_path.with_name(f".{errors_path.name}.tmp")
+        tmp.write_text("".join(f"{e}\n" for e in summary.errors))
+        os.replace(tmp, errors_path)
+        summary.errors_path = str(errors_path)
+    else:
+        errors_path.unlink(missing_ok=True)
+    if opts.strict and summary.errors:
+        log(
+            f"--strict: {summary.failed} item(s) failed, so '{out}' is not written; the finished "
+            f"work is kept in '{work}' (rerun without --strict to publish it, or remove it after "
+            "fixing the inputs)"
+        )
+        return summary
+    if summary.ok == 0:
+        raise TokenizeError(f"no item could be tokenized; nothing written (see {errors_path})")
+
+    staging = work / "dataset"
+    if staging.exists():
+        shutil.rmtree(staging)
+    staging.mkdir()
+    shards = [c for c in range(num_chunks) if infos[c]["count"]]
+    for n, c in enumerate(shards):
+        target = staging / dataset_io.shard_name(SPLIT, n, len(shards))
+        try:
+            os.link(_chunk_shard(work, c), target)
+        except OSError:
+            shutil.copyfile(_chunk_shard(work, c), target)
+    lengths = np.asarray([n for c in shards for n in infos[c]["lengths"]], np.int32)
+    np.save(dataset_io.lengths_path(staging, SPLIT), lengths, allow_pickle=False)
+    metadata = {
+        "format": "lwm-tokens/1",
+        "text_tokenizer": job["text_tokenizer"],
+        "markers": {
+            "vision_start": job["text_tokenizer"]["vision_start"],
+            "vision_end": job["text_tokenizer"]["vision_end"],
+            "eof": EOF_ID,
+            "eov": EOV_ID,
+        },
+        "vqgan": {
+            "path": job["vqgan"],
+            "resolution": job["resolution"],
+            "tokens_per_frame": job["tokens_per_frame"],
+            "codebook_size": job["codebook_size"],
+        },
+        "sampling": {k: job[k] for k in ("fps", "max_frames", "min_frames")},
+        "input": job["input"],
+        "counts": {
+            "items": summary.items,
+            "records": summary.ok,
+            "failed": summary.failed,
+            "tokens": summary.tokens,
+            "vision_tokens": sum(info["vision_tokens"] for info in infos),
+        },
+    }
+    dataset_io.write_metadata(
+        staging,
+        SPLIT,
+        [infos[c]["count"] for c in shards],
+        sum(infos[c]["num_bytes"] for c in shards),
+        metadata,
+        description=f"LWM token streams made by `lwm tokenize` from {job['input']}",
+    )
+    os.rename(staging, out)
+    shutil.rmtree(work)
+    summary.published = True
+    return summary
+
+
+def _progress(opts: TokenizeOptions, total: int, initial: int):
+    if not opts.progress:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, desc="tokenize", unit="item", dynamic_ncols=True)

@@ -1,0 +1,184 @@
+"""The token stream of one example: vision ids, text markers, and the layout of each record.
+
+Vision ids (LWM's): codes ``0 .. 8191``, ``<eof>`` = 8192 after every frame but the last,
+``<eov>`` = 8193 after the last frame; the vision vocabulary is padded to 8,448 entries. Text
+ids come from a Hugging Face tokenizer and overlap the vision ids numerically: ``vision_mask``
+says which table a position uses. ``<vision>`` / ``</vision>`` are text: the ids the text
+tokenizer gives those strings (one id each with the project's tokenizer, several with LLaMA's).
+
+A vision span of ``T`` frames of ``h x w`` codes (raster order) is::
+
+    <vision>  c c .. c <eof>  c c .. c <eof>  ..  c c .. c <eov>  </vision>
+              '-- h*w --'                         '-- h*w --'
+    (T * (h*w + 1) positions with vision_mask True: the codes, every <eof> and the <eov>)
+
+Records (``B`` = the tokenizer's BOS where it has one, added once at the start of the example,
+never before the markers; ``E`` = its EOS where it has one; loss 1 = trained on):
+
+============== ========================================================== ====================
+record         tokens                                                     loss_mask = 1 on
+============== ========================================================== ====================
+video+caption  B <vision> V </vision> caption E                            everything but B
+video+QA       B <vision> V </vision> ("USER: q ASSISTANT:" " a" E) x n    each " a" and its E
+image(+..)     as a video of one frame (caption, QA or neither)           as for the video
+video, no text B <vision> V </vision> E                                   everything but B
+text only      B text E                                                   everything but B
+============== ========================================================== ====================
+
+A caption record trains on its video too (LWM trains on both the frames and the caption of
+its video-text data); in a QA record the video and the questions are context (loss 0) and only
+the answers (with the EOS that ends each) are learned. The QA prompt is `qa_prompt`, so
+inference can build exactly the prompt the model was trained on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "EOF_ID",
+    "EOV_ID",
+    "NUM_CODES",
+    "VISION_END",
+    "VISION_START",
+    "VISION_VOCAB_SIZE",
+    "Example",
+    "TextCodec",
+    "build_example",
+    "qa_prompt",
+    "vision_span",
+]
+
+NUM_CODES = 8192  # VQGAN codebook entries: codes 0 .. 8191
+EOF_ID = 8192  # end of a frame (every frame but the last)
+EOV_ID = 8193  # end of the video, after the last frame
+VISION_VOCAB_SIZE = 8448  # codes + markers, padded
+VISION_START = "<vision>"
+VISION_END = "</vision>"
+
+
+def qa_prompt(question: str) -> str:
+    """The text of a question turn; the answer follows as ``" " + answer``."""
+    return f"USER: {question} ASSISTANT:"
+
+
+def vision_span(codes: np.ndarray) -> np.ndarray:
+    """int32 codes ``[T, h, w]`` -> ``T * (h*w + 1)`` ids: each frame's codes in raster order,
+    then ``<eof>`` (every frame but the last) or ``<eov>`` (the last)."""
+    codes = np.asarray(codes)
+    if codes.ndim != 3 or codes.shape[0] < 1:
+        raise ValueError(f"expected codes [T, h, w] with T >= 1, got {codes.shape}")
+    t = codes.shape[0]
+    frames = codes.reshape(t, -1).astype(np.int32)
+    if frames.size and (frames.min() < 0 or frames.max() >= NUM_CODES):
+        raise ValueError(
+            f"codes must lie in [0, {NUM_CODES}), got [{frames.min()}, {frames.max()}]"
+        )
+    ends = np.full((t, 1), EOF_ID, np.int32)
+    ends[-1] = EOV_ID
+    return np.concatenate([frames, ends], axis=1).reshape(-1)
+
+
+class TextCodec:
+    """A Hugging Face tokenizer used the way the token stream needs it.
+
+    Every piece of text (markers included) is encoded with ``add_special_tokens=False``; BOS is
+    added once, at the start of an example, and only if the tokenizer defines one (LWM's code
+    encodes ``<vision>`` with the default special tokens and so puts a BOS before each video).
+    """
+
+    def __init__(self, tokenizer: Any, name: str):
+        self.tokenizer, self.name = tokenizer, name
+        self.bos_id: int | None = tokenizer.bos_token_id
+        self.eos_id: int | None = tokenizer.eos_token_id
+        self.vocab_size = len(tokenizer)
+        self.vision_start = self.encode(VISION_START)
+        self.vision_end = self.encode(VISION_END)
+        if not self.vision_start or not self.vision_end:
+            raise ValueError(f"tokenizer '{name}' encodes the vision markers to nothing")
+
+    @classmethod
+    def load(cls, path: str | None = None) -> TextCodec:
+        """A tokenizer folder (``AutoTokenizer``); None: the project's ``data/tokenizer``."""
+        from pathlib import Path
+
+        from transformers import AutoTokenizer
+
+        folder = Path(path) if path is not None else Path(__file__).parent / "tokenizer"
+        if not folder.is_dir():
+            raise FileNotFoundError(f"tokenizer folder '{folder}' not found")
+        return cls(AutoTokenizer.from_pretrained(str(folder)), str(folder))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def metadata(self) -> dict[str, Any]:
+        """What a dataset records about its text vocabulary."""
+        return {
+            "name": self.name,
+            "class": type(self.tokenizer).__name__,
+            "vocab_size": self.vocab_size,
+            "bos_id": self.bos_id,
+            "eos_id": self.eos_id,
+            "vision_start": self.vision_start,
+            "vision_end": self.vision_end,
+        }
+
+
+@dataclass
+class Example:
+    """One record's streams, built piece by piece."""
+
+    tokens: list[int] = field(default_factory=list)
+    vision: list[bool] = field(default_factory=list)
+    loss: list[int] = field(default_factory=list)
+
+    def add(self, ids: Any, *, vision: bool, loss: bool) -> None:
+        ids = [int(i) for i in ids]
+        self.tokens += ids
+        self.vision += [vision] * len(ids)
+        self.loss += [int(loss)] * len(ids)
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {
+            "tokens": np.asarray(self.tokens, np.int32),
+            "vision_mask": np.asarray(self.vision, np.bool_),
+            "loss_mask": np.asarray(self.loss, np.uint8),
+        }
+
+
+def build_example(
+    codec: TextCodec,
+    codes: np.ndarray | None = None,
+    *,
+    text: str | None = None,
+    qa: list[dict[str, str]] | None = None,
+) -> dict[str, np.ndarray]:
+    """The streams of one record (see the module docstring): ``tokens`` int32, ``vision_mask``
+    bool, ``loss_mask`` uint8, all of one length. ``codes`` ``[T, h, w]`` or None (text only);
+    at most one of ``text`` (a caption, or the text of a text-only record) and ``qa``."""
+    if text is not None and qa is not None:
+        raise ValueError("an example has a caption or questions, not both")
+    if codes is None and text is None:
+        raise ValueError("a text-only example needs text")
+    ex = Example()
+    if codec.bos_id is not None:
+        ex.add([codec.bos_id], vision=False, loss=False)
+    train_vision = qa is None  # the video of a QA record is context
+    if codes is not None:
+        ex.add(codec.vision_start, vision=False, loss=train_vision)
+        ex.add(vision_span(codes), vision=True, loss=train_vision)
+        ex.add(codec.vision_end, vision=False, loss=train_vision)
+    eos = [codec.eos_id] if codec.eos_id is not None else []
+    if qa is not None:
+        for turn in qa:
+            ex.add(codec.encode(qa_prompt(turn["question"])), vision=False, loss=False)
+            ex.add(codec.encode(" " + turn["answer"]) + eos, vision=False, loss=True)
+    else:
+        if text:
+            ex.add(codec.encode(text), vision=False, loss=True)
+        ex.add(eos, vision=False, loss=True)
+    return ex.arrays()
