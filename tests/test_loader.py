@@ -1,0 +1,185 @@
+"""`TokenDatasetLoader`: every token once per epoch when packing, segment ids and positions,
+disjoint host shares, exact restore, the zigzag layout, padding mode."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from data import dataset_io
+from data.batches import BATCH_FIELDS
+from data.loader import TokenDatasetLoader, plan_epoch
+
+SEQ = 32
+
+
+def write_dataset(directory, lengths, shards=2, seed=0):
+    """Examples whose tokens say where they come from: token j of example i is i*1000 + j."""
+    directory.mkdir(parents=True)
+    rng = np.random.default_rng(seed)
+    per = -(-len(lengths) // shards)
+    shard_lengths, total_bytes = [], 0
+    for s in range(shards):
+        writer = dataset_io.ShardWriter(directory / dataset_io.shard_name("train", s, shards))
+        for i in range(s * per, min((s + 1) * per, len(lengths))):
+            n = lengths[i]
+            writer.write(
+                {
+                    "tokens": (i * 1000 + np.arange(n)).astype(np.int32),
+                    "vision_mask": rng.random(n) < 0.5,
+                    "loss_mask": (rng.random(n) < 0.7).astype(np.uint8),
+                    "source": f"video{i}.mp4",
+                    "kind": "video",
+                    "num_frames": 1,
+                }
+            )
+        writer.close()
+        shard_lengths.append(writer.count)
+        total_bytes += writer.num_bytes
+    np.save(dataset_io.lengths_path(directory, "train"), np.asarray(lengths, np.int32))
+    dataset_io.write_metadata(directory, "train", shard_lengths, total_bytes, {"test": 1}, "test")
+    return directory
+
+
+LENGTHS = [5, 31, 32, 33, 70, 1, 12, 12, 20, 9, 64, 3, 17, 40, 8, 26]
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    return write_dataset(tmp_path_factory.mktemp("loader") / "ds", LENGTHS)
+
+
+def loader(path, **kw):
+    args = dict(batch_size=4, seq_len=SEQ, seed=3)
+    args.update(kw)
+    return TokenDatasetLoader(path, **args)
+
+
+def epoch_batches(ld):
+    n = ld.batches_in_epoch(0)
+    return [next(ld) for _ in range(n)]
+
+
+def test_packing_emits_every_token_once_with_segments_and_positions(dataset):
+    ld = loader(dataset)
+    batches = epoch_batches(ld)
+    seen = []
+    for b in batches:
+        assert set(b) == set(BATCH_FIELDS)
+        assert b["tokens"].shape == (4, SEQ)
+        for r in range(4):
+            tok, seg, pos = b["tokens"][r], b["segment_ids"][r], b["positions"][r]
+            # segments 1, 2, .. in order, then padding 0 at the end only
+            real = seg > 0
+            assert not real[real.argmin() :].any() or real.all()
+            ids = seg[real]
+            assert (np.diff(ids) >= 0).all() and (ids[0] == 1 if len(ids) else True)
+            assert set(np.unique(ids)) == set(range(1, ids.max() + 1)) if len(ids) else True
+            for s in np.unique(ids):
+                where = seg == s
+                np.testing.assert_array_equal(pos[where], np.arange(where.sum()))
+                piece = tok[where]
+                example, offset = piece[0] // 1000, piece[0] % 1000
+                # a piece is a contiguous run of one example; a split starts at k * seq_len
+                np.testing.assert_array_equal(
+                    piece, example * 1000 + offset + np.arange(len(piece))
+                )
+                assert offset % SEQ == 0
+            seen += tok[real].tolist()
+    expected = [i * 1000 + j for i, n in enumerate(LENGTHS) for j in range(n)]
+    assert sorted(seen) == expected  # every token exactly once
+    # the next batch is from epoch 1, in another order
+    assert ld.state()["epoch"] == 0
+    nxt = next(ld)
+    assert ld.state()["epoch"] == 1 and ld.state()["batch"] == 1
+    assert not np.array_equal(nxt["tokens"], batches[0]["tokens"])
+
+
+def test_documents_are_split_only_when_longer_than_a_row():
+    lengths = np.array([20, 20, 70, 5])
+    plan = plan_epoch(np.arange(4), lengths, 32, pack=True)
+    rows = [plan.row(r) for r in range(plan.num_rows)]
+    assert rows == [
+        [(0, 0, 20)],
+        [(1, 0, 20)],  # 20 does not fit after 20: a new row, not a split
+        [(2, 0, 32)],
+        [(2, 32, 32)],
+        [(2, 64, 6), (3, 0, 5)],
+    ]
+
+
+def test_targets_stay_inside_documents_and_follow_loss_mask(dataset):
+    b = next(loader(dataset, batch_size=2))
+    seg, w = b["segment_ids"], b["target_weight"]
+    # no target at the last position of a segment, nor on padding
+    last = np.concatenate([seg[:, 1:] != seg[:, :-1], np.ones((2, 1), bool)], axis=1)
+    assert (w[last] == 0).all() and (w[seg == 0] == 0).all()
+    np.testing.assert_array_equal(
+        b["target_tokens"][:, :-1][~last[:, :-1]], b["tokens"][:, 1:][~last[:, :-1]]
+    )
+
+
+def test_two_hosts_read_disjoint_shares_that_cover_the_dataset(dataset):
+    whole = epoch_batches(loader(dataset))
+    hosts = [loader(dataset, process_index=i, process_count=2) for i in range(2)]
+    assert hosts[0].batches_in_epoch(0) == hosts[1].batches_in_epoch(0) == len(whole)
+    tokens = [[], []]
+    for b in range(len(whole)):
+        parts = [next(h) for h in hosts]
+        for i in range(2):
+            assert parts[i]["tokens"].shape == (2, SEQ)
+            real = parts[i]["segment_ids"] > 0
+            tokens[i] += parts[i]["tokens"][real].tolist()
+        for key in BATCH_FIELDS:  # host i's rows are rows 2i, 2i+1 of the global batch
+            np.testing.assert_array_equal(
+                np.concatenate([parts[0][key], parts[1][key]]), whole[b][key]
+            )
+    assert tokens[0] and tokens[1] and not set(tokens[0]) & set(tokens[1])
+    expected = {i * 1000 + j for i, n in enumerate(LENGTHS) for j in range(n)}
+    assert set(tokens[0]) | set(tokens[1]) == expected
+    assert hosts[0].state() == hosts[1].state()  # one state serves every host
+
+
+def test_restored_loader_yields_the_same_batches(dataset):
+    original = loader(dataset)
+    n = original.batches_in_epoch(0)
+    for _ in range(n - 1):  # stop just before the epoch ends
+        next(original)
+    state = json.loads(json.dumps(original.state()))
+    expected = [next(original) for _ in range(n + 2)]  # across the epoch boundary
+    restored = loader(dataset)
+    restored.restore(state)
+    for want in expected:
+        got = next(restored)
+        for key in want:
+            np.testing.assert_array_equal(got[key], want[key])
+    with pytest.raises(ValueError, match="seed"):
+        loader(dataset, seed=4).restore(state)
+
+
+def test_zigzag_layout_permutes_the_unpermuted_batch(dataset):
+    from lwm.attention.layout import zigzag_permutation
+
+    perm = np.asarray(zigzag_permutation(SEQ, 4))
+    plain, zig = next(loader(dataset)), next(loader(dataset, layout=perm))
+    for key in BATCH_FIELDS:
+        np.testing.assert_array_equal(zig[key], plain[key][:, perm])
+    assert not np.array_equal(zig["tokens"], plain["tokens"])
+
+
+def test_pad_mode_one_example_per_row_truncated(dataset):
+    ld = loader(dataset, pack=False)
+    starts = set()
+    for b, r in [(b, r) for b in epoch_batches(ld) for r in range(4)]:
+        seg = b["segment_ids"][r]
+        if not seg.any():
+            continue
+        assert set(np.unique(seg)) <= {0, 1}
+        n = int((seg == 1).sum())
+        first = int(b["tokens"][r][0])
+        assert first % 1000 == 0
+        assert n == min(LENGTHS[first // 1000], SEQ)  # longer examples are truncated
+        starts.add(first // 1000)
+    assert starts == set(range(len(LENGTHS)))
