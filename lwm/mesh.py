@@ -6,6 +6,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 import jax
+import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 __all__ = [
@@ -115,9 +116,13 @@ def make_mesh(spec: str | Sequence[int], devices: Sequence[jax.Device] | None = 
     """Build the (dp, fsdp, sp, tp) mesh with automatic sharding on every axis."""
     devices = list(jax.devices() if devices is None else devices)
     shape = parse_mesh_shape(spec, len(devices))
-    return jax.make_mesh(
-        shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices
-    )
+    axis_types = (AxisType.Auto,) * len(MESH_AXES)
+    try:
+        return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)
+    except AssertionError:
+        # jax's topology-aware ordering refuses devices that are not one per chip (TPU v4
+        # cores outside "megacore" mode, as topology descriptions list them): keep their order.
+        return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=axis_types)
 
 
 def mesh_axis_sizes(shape: Sequence[int]) -> dict[str, int]:
