@@ -1,0 +1,258 @@
+"""`lwm tokenize`: videos of several codecs and broken files to a tfds dataset; the vision
+spans, the errors file, --strict, a LLaMA-style tokenizer, kill and resume, and `lwm train` on
+the result."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tokenize_helpers import (
+    CODES_PER_FRAME,
+    GOOD_VIDEOS,
+    read_records,
+    save_tiny_vqgan,
+    vision_spans,
+    write_llama_style_tokenizer,
+    write_media,
+)
+
+from data.tokens import EOF_ID, EOV_ID, TextCodec
+from lwm.cli import main as lwm
+
+ROOT = Path(__file__).resolve().parents[1]
+FAST = ["--workers", "0", "--no-progress", "--batch-frames", "16"]
+
+
+@pytest.fixture(scope="module")
+def vqgan_dir(tmp_path_factory):
+    return save_tiny_vqgan(tmp_path_factory.mktemp("vqgan") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("media") / "videos"
+    broken = write_media(folder)
+    return folder, broken
+
+
+def check_vision_span(record, codec: TextCodec, frames: int) -> tuple[int, int]:
+    """The record has one vision span, exactly as DESIGN.md says; returns its (start, end)."""
+    tokens = np.asarray(record["tokens"])
+    ((start, end),) = vision_spans(record)
+    per = CODES_PER_FRAME + 1
+    assert end - start == per * frames
+    span = tokens[start:end].reshape(frames, per)
+    assert (span[:, :-1] < 64).all() and (span[:, :-1] >= 0).all()  # codes of the tiny VQGAN
+    assert (span[:-1, -1] == EOF_ID).all() and span[-1, -1] == EOV_ID
+    vs, ve = codec.vision_start, codec.vision_end
+    assert tokens[start - len(vs) : start].tolist() == vs
+    assert tokens[end : end + len(ve)].tolist() == ve
+    return start, end
+
+
+def test_folder_of_videos_with_broken_files(tmp_path, media, vqgan_dir, capsys):
+    folder, broken = media
+    out = tmp_path / "tokens"
+    args = ["--input", str(folder), "--output", str(out), "--vqgan", str(vqgan_dir)]
+    code = lwm(["tokenize", *args, *FAST, "--max-frames", "8", "--min-frames", "3"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert "4 ok, 4 failed" in err and "encoder busy" in err
+
+    errors = (tmp_path / "tokens.errors.txt").read_text().splitlines()
+    assert len(errors) == len(broken)
+    for line, (name, problem) in zip(errors, sorted(broken.items()), strict=True):
+        assert line.startswith(str(folder / name) + ": ") and problem in line
+
+    codec = TextCodec.load(None)
+    records = read_records(out)
+    assert [Path(r["source"].decode()).name for r in records] == sorted(GOOD_VIDEOS)
+    for record, (name, (_, t, *_)) in zip(records, sorted(GOOD_VIDEOS.items()), strict=True):
+        frames = min(t, 8)  # --max-frames 8
+        assert record["num_frames"] == frames and record["kind"] == b"video"
+        tokens, loss = np.asarray(record["tokens"]), np.asarray(record["loss_mask"])
+        assert len(tokens) == len(record["vision_mask"]) == len(loss)
+        text_ids = tokens[~np.asarray(record["vision_mask"])]
+        assert tokens[0] == codec.bos_id and loss[0] == 0 and (text_ids == codec.bos_id).sum() == 1
+        _, end = check_vision_span(record, codec, frames)
+        text = tokens[end + len(codec.vision_end) :]
+        assert text[-1] == codec.eos_id
+        caption = (folder / name).with_suffix(".txt")
+        expected = caption.read_text().strip() if caption.exists() else ""
+        assert codec.tokenizer.decode(text[:-1]) == expected
+        assert (loss[1:] == 1).all()  # a captioned (or bare) video trains on all but BOS
+
+    import tensorflow_datasets as tfds
+
+    meta = tfds.builder_from_directory(str(out)).info.metadata
+    assert meta["markers"]["eof"] == EOF_ID and meta["markers"]["eov"] == EOV_ID
+    assert meta["markers"]["vision_start"] == codec.vision_start
+    assert meta["text_tokenizer"]["vocab_size"] == 4096
+    assert meta["vqgan"]["tokens_per_frame"] == CODES_PER_FRAME
+    assert meta["vqgan"]["path"] == str(vqgan_dir.absolute())
+    assert meta["counts"]["records"] == 4 and meta["counts"]["failed"] == 4
+    assert not (tmp_path / "tokens.partial").exists()
+
+    # --strict: the same errors, a non-zero exit, no dataset
+    strict_out = tmp_path / "strict"
+    code = lwm(["tokenize", *args[:2], "--output", str(strict_out), *args[4:], *FAST, "--strict"])
+    err = capsys.readouterr().err
+    assert code == 1 and not strict_out.exists()
+    for name in broken:
+        if name != "short.mp4":  # no --min-frames here: a 2-frame video is fine
+            assert str(folder / name) in (tmp_path / "strict.errors.txt").read_text()
+            assert f"failed: {folder / name}: " in err
+
+
+def test_manifest_qa_image_text_and_llama_tokenizer(tmp_path, media, vqgan_dir, capsys):
+    from PIL import Image
+
+    folder, _ = media
+    llama = write_llama_style_tokenizer(tmp_path / "llama")
+    Image.fromarray(np.full((20, 30, 3), 200, np.uint8)).save(tmp_path / "photo.png")
+    qa = [
+        {"question": "What colour is the square?", "answer": "white"},
+        {"question": "Does it move?", "answer": "yes"},
+    ]
+    lines = [
+        {"video": str(folder / "a_h264.mp4"), "qa": qa},
+        {"image": "photo.png", "text": "A grey picture."},
+        {"text": "Two shapes on a dark background."},
+        {"video": "missing.mp4", "text": "gone"},
+    ]
+    manifest = tmp_path / "manifest.jsonl"
+    manifest.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "tokens"
+    code = lwm(
+        ["tokenize", "--input", str(manifest), "--output", str(out), "--vqgan", str(vqgan_dir)]
+        + ["--tokenizer", str(llama), "--fps", "4", *FAST]
+    )
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert (tmp_path / "tokens.errors.txt").read_text() == (
+        f"{tmp_path / 'missing.mp4'}: file not found\n"
+    )
+    codec = TextCodec.load(str(llama))
+    assert codec.bos_id == 1 and len(codec.vision_start) > 1  # LLaMA-like: markers are pieces
+    assert codec.tokenizer.encode("<vision>")[0] == 1  # and BOS is added by default
+    video, image, text = read_records(out)
+
+    # video + QA at --fps 4 of an 8 fps video: 6 of 12 frames; video and questions are context
+    tokens, loss = np.asarray(video["tokens"]), np.asarray(video["loss_mask"])
+    assert video["num_frames"] == 6
+    text_ids = tokens[~np.asarray(video["vision_mask"])]
+    assert tokens[0] == 1 and (text_ids == 1).sum() == 1  # BOS once, not before <vision>
+    start, end = check_vision_span(video, codec, 6)
+    assert start == 1 + len(codec.vision_start)
+    assert not loss[: end + len(codec.vision_end)].any()
+    trained = codec.tokenizer.decode(tokens[loss == 1])
+    assert trained.replace(" ", "") == "white</s>yes</s>"
+    after = end + len(codec.vision_end)
+    context = codec.tokenizer.decode(tokens[after:][loss[after:] == 0])
+    assert "USER: What colour is the square? ASSISTANT:" in context
+
+    assert image["num_frames"] == 1 and image["kind"] == b"image"
+    check_vision_span(image, codec, 1)
+    assert text["num_frames"] == 0 and not np.asarray(text["vision_mask"]).any()
+    assert codec.tokenizer.decode(text["tokens"]) == "<s> Two shapes on a dark background.</s>"
+
+
+def _synthetic_manifest(folder: Path) -> Path:
+    from data.synthetic import write_dataset
+
+    return write_dataset(folder, count=6, seed=1, size=32, num_frames=6)
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory):
+    return _synthetic_manifest(tmp_path_factory.mktemp("synthetic"))
+
+
+def test_killed_run_resumes_to_the_same_dataset(tmp_path, synthetic, vqgan_dir, capsys):
+    common = ["--input", str(synthetic), "--vqgan", str(vqgan_dir)]
+    common += ["--chunk-size", "1", "--batch-frames", "16", "--no-progress"]
+    out = tmp_path / "resumed"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lwm", "tokenize", *common, "--output", str(out), "--workers", "1"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    work = tmp_path / "resumed.partial"
+    deadline = time.time() + 120
+    while not (work / "chunk-00001.json").exists():
+        assert proc.poll() is None, proc.stderr.read().decode()
+        assert time.time() < deadline
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    proc.stderr.close()
+    done = sorted(work.glob("chunk-*.json"))
+    assert not out.exists() and 2 <= len(done) < 12  # 6 videos x (caption, QA) lines
+
+    assert lwm(["tokenize", *common, "--output", str(out), "--workers", "0"]) == 0
+    assert f"resuming: {len(done)} of 12 chunks" in capsys.readouterr().err
+    reference = tmp_path / "reference"
+    assert lwm(["tokenize", *common, "--output", str(reference), "--workers", "0"]) == 0
+
+    got, want = read_records(out), read_records(reference)
+    assert len(got) == len(want) == 12
+    for a, b in zip(got, want, strict=True):
+        assert a.keys() == b.keys()
+        for key in a:
+            np.testing.assert_array_equal(a[key], b[key])
+    for name in ("num_tokens-train.npy", "metadata.json", "features.json"):
+        assert (out / name).read_bytes() == (reference / name).read_bytes()
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in reference.iterdir())
+
+
+def test_rerun_with_other_arguments_is_refused(tmp_path, synthetic, vqgan_dir, capsys):
+    common = ["--input", str(synthetic), "--vqgan", str(vqgan_dir), *FAST]
+    out = tmp_path / "tokens"
+    (tmp_path / "tokens.partial").mkdir()
+    (tmp_path / "tokens.partial" / "job.json").write_text(json.dumps({"max_frames": 3}))
+    assert lwm(["tokenize", *common, "--output", str(out)]) == 1
+    assert "other arguments" in capsys.readouterr().err and not out.exists()
+    out.mkdir()
+    assert lwm(["tokenize", *common, "--output", str(out)]) == 1
+    assert "already exists" in capsys.readouterr().err
+
+
+def test_bad_manifest_line_is_one_clear_error(tmp_path, vqgan_dir, capsys):
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text('{"video": "a.mp4"}\n{"video": 3\n')
+    code = lwm(
+        ["tokenize", "--input", str(manifest), "--output", str(tmp_path / "o")]
+        + ["--vqgan", str(vqgan_dir), *FAST]
+    )
+    err = capsys.readouterr().err
+    assert code == 2 and f"manifest '{manifest}' line 2: not valid JSON" in err
+
+
+def test_train_runs_on_a_tokenized_dataset(tmp_path, synthetic, vqgan_dir):
+    data = tmp_path / "tokens"
+    assert (
+        lwm(
+            ["tokenize", "--input", str(synthetic), "--output", str(data)]
+            + ["--vqgan", str(vqgan_dir), *FAST]
+        )
+        == 0
+    )
+    run = tmp_path / "run"
+    overrides = [f"data.source={data}", f"train.output_dir={run}", "model.num_layers=1"]
+    overrides += ["train.seq_len=512", "train.steps=2", "train.batch_size=8"]
+    overrides += ["train.progress=false", "train.log_every=1", "train.peak_flops=1e9"]
+    assert lwm(["train", "--config", str(ROOT / "configs/tiny.yaml"), *overrides]) == 0
+    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged if "loss" in r][-1] == 2
+    assert all(np.isfinite(r["loss"]) for r in logged if "loss" in r)

@@ -1,0 +1,122 @@
+"""Token streams of each record type, the project's text tokenizer, frame sampling and the
+input manifest."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from data.decode import sample_indices
+from data.manifest import Item, ManifestError, read_inputs
+from data.tokens import EOF_ID, EOV_ID, TextCodec, build_example, vision_span
+
+
+@pytest.fixture(scope="module")
+def codec():
+    return TextCodec.load(None)
+
+
+def test_project_tokenizer_loads_with_autotokenizer(codec):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(codec.name)  # the default: data/tokenizer
+    assert len(tok) == 4096 == codec.vocab_size
+    assert codec.bos_id == tok.bos_token_id is not None and codec.eos_id is not None
+    assert len(codec.vision_start) == len(codec.vision_end) == 1  # one token each
+    text = "Two shapes on a dark background: a red circle moving left."
+    ids = tok.encode(text)
+    assert ids[0] == codec.bos_id and tok.decode(ids[1:]) == text
+    assert len(ids) < len(text) / 2  # a real subword vocabulary, not bytes
+
+
+def test_vision_span_markers():
+    codes = np.arange(2 * 3 * 4).reshape(2, 3, 4)
+    span = vision_span(codes)
+    assert span.tolist() == list(range(12)) + [EOF_ID] + list(range(12, 24)) + [EOV_ID]
+    assert vision_span(codes[:1]).tolist() == list(range(12)) + [EOV_ID]
+    with pytest.raises(ValueError):
+        vision_span(np.full((1, 2, 2), 8192))
+
+
+def test_caption_record(codec):
+    codes = np.zeros((3, 2, 2), np.int32)
+    ex = build_example(codec, codes, text="A red circle.")
+    t, v, loss = ex["tokens"], ex["vision_mask"], ex["loss_mask"]
+    caption = codec.encode("A red circle.")
+    expected = [codec.bos_id, *codec.vision_start, *vision_span(codes), *codec.vision_end]
+    assert t.tolist() == expected + caption + [codec.eos_id]
+    assert v.sum() == 3 * 5 and v[1 + len(codec.vision_start)]
+    assert loss.tolist() == [0] + [1] * (len(t) - 1)
+
+
+def test_qa_record(codec):
+    codes = np.zeros((1, 2, 2), np.int32)
+    qa = [{"question": "How many?", "answer": "two"}, {"question": "Colour?", "answer": "red"}]
+    ex = build_example(codec, codes, qa=qa)
+    t, loss = ex["tokens"], ex["loss_mask"]
+    trained = codec.tokenizer.decode(t[loss == 1], skip_special_tokens=False)
+    assert trained == " two</s> red</s>"
+    context = codec.tokenizer.decode(t[loss == 0], skip_special_tokens=False)
+    assert context.startswith("<s><vision>") and "USER: How many? ASSISTANT:" in context
+
+
+def test_text_only_and_bare_video_records(codec):
+    ex = build_example(codec, text="Hello world.")
+    assert codec.tokenizer.decode(ex["tokens"], skip_special_tokens=False) == "<s>Hello world.</s>"
+    assert not ex["vision_mask"].any() and ex["loss_mask"].tolist()[0] == 0
+    bare = build_example(codec, np.zeros((2, 1, 1), np.int32))
+    assert bare["tokens"][-1] == codec.eos_id and bare["vision_mask"].sum() == 4
+
+
+def test_sampling_by_fps_then_max_frames():
+    assert sample_indices(10, 30.0, None, None) == list(range(10))
+    assert sample_indices(12, 8.0, 4.0, None) == [0, 2, 4, 6, 8, 10]
+    assert sample_indices(10, 30.0, 10.0, None) == [0, 3, 6, 9]
+    assert sample_indices(10, 5.0, 10.0, None) == list(range(10))  # never upsampled
+    assert sample_indices(10, float("nan"), 4.0, None) == list(range(10))
+    assert sample_indices(100, 25.0, None, 4) == [0, 33, 66, 99]  # LWM's linspace
+    assert sample_indices(3, 25.0, None, 8) == [0, 1, 2]
+
+
+def test_manifest_lines_and_relative_paths(tmp_path):
+    rows = [
+        {"video": "v/a.mp4", "text": "cap"},
+        {"video": "/abs/b.mp4", "qa": [{"question": "q", "answer": "a"}]},
+        {"image": "i.png"},
+        {"text": "just text"},
+    ]
+    path = tmp_path / "m.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    items = read_inputs(path)
+    assert items == [
+        Item("video", str(tmp_path / "v/a.mp4"), text="cap"),
+        Item("video", "/abs/b.mp4", qa=(("q", "a"),)),
+        Item("image", str(tmp_path / "i.png")),
+        Item("text", None, text="just text"),
+    ]
+    for bad, message in [
+        ('{"video": "a.mp4", "text": "x", "qa": []}', "both 'text' and 'qa'"),
+        ('{"qa": [{"question": "q", "answer": "a"}]}', "needs 'video', 'image' or 'text'"),
+        ('{"video": "a.mp4", "qa": [{"question": "q"}]}', "'question' and 'answer'"),
+        ("[1]", "expected a JSON object"),
+    ]:
+        path.write_text('{"text": "ok"}\n' + bad + "\n")
+        with pytest.raises(ManifestError, match=f"line 2: .*{message}"):
+            read_inputs(path)
+
+
+def test_folder_inputs_with_sidecar_captions(tmp_path):
+    (tmp_path / "sub").mkdir()
+    for name in ("b.mp4", "a.webm", "sub/c.MKV", "notes.txt", "b.txt"):
+        (tmp_path / name).write_text("caption of b" if name == "b.txt" else "")
+    items = read_inputs(tmp_path)
+    assert [(i.path, i.text) for i in items] == [
+        (str(tmp_path / "a.webm"), None),
+        (str(tmp_path / "b.mp4"), "caption of b"),
+        (str(tmp_path / "sub/c.MKV"), None),
+    ]
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ManifestError, match="no videos"):
+        read_inputs(tmp_path / "empty")
