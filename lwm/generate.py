@@ -27,12 +27,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from data.tokens import EOF_ID, EOV_ID, NUM_CODES
 from lwm.attention.decode import decode_attention_local, ring_decode_attention
 from lwm.model import LWMModel
-
-EOF_ID = 8192  # end of a frame (every frame but the last)
-EOV_ID = 8193  # end of the video, after the last frame
-NUM_CODES = 8192
 
 
 class Sampling(NamedTuple):
