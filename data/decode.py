@@ -79,7 +79,7 @@ def decode_item(index: int, item: Item, options: DecodeOptions) -> Decoded:
     assert item.path is not None
     try:
         frames, total = _read(Path(item.path), item.kind, options)
-        return Decoded(index, _resize(frames, options.resolution), source_frames=total)
+        return Decoded(index, frames, source_frames=total)
     except DecodeError as e:
         return Decoded(index, error=f"{item.path}: {e}")
     except Exception as e:  # a decoder's unexpected failure is still one item's failure
@@ -95,7 +95,7 @@ def _read(path: Path, kind: str, options: DecodeOptions) -> tuple[np.ndarray, in
     if path.stat().st_size == 0:
         raise DecodeError("empty file (0 bytes)")
     if kind == "image" or path.suffix.lower() in IMAGE_SUFFIXES:
-        return _read_image(path), 1
+        return _resize(_read_image(path), options.resolution), 1
     return _read_video(path, options)
 
 
@@ -129,15 +129,21 @@ def _read_video(path: Path, options: DecodeOptions) -> tuple[np.ndarray, int]:
             f"only {len(indices)} frame{'s' * (len(indices) != 1)} after sampling, fewer than "
             f"--min-frames {options.min_frames}"
         )
-    try:
-        with _quiet_stderr():
-            frames = reader.get_batch(indices).asnumpy()
-    except Exception as e:
-        problem = " ".join(str(e).split(": ")[-1].split())[:200]
-        raise DecodeError(f"decoding failed, the file may be truncated ({problem})") from None
-    if frames.ndim != 4 or frames.shape[0] != len(indices) or frames.shape[-1] != 3:
-        raise DecodeError(f"decoder returned frames of shape {frames.shape}")
-    return frames, total
+    out = []
+    for start in range(0, len(indices), _RESIZE_GROUP):  # bounded full-size frames in memory
+        group = indices[start : start + _RESIZE_GROUP]
+        try:
+            with _quiet_stderr():
+                frames = reader.get_batch(group).asnumpy()
+        except Exception as e:
+            problem = " ".join(str(e).split(": ")[-1].split())[:200]
+            raise DecodeError(
+                f"decoding failed at frame {group[0]}, the file may be truncated ({problem})"
+            ) from None
+        if frames.ndim != 4 or frames.shape[0] != len(group) or frames.shape[-1] != 3:
+            raise DecodeError(f"decoder returned frames of shape {frames.shape}")
+        out.append(_resize(frames, options.resolution))
+    return np.concatenate(out), total
 
 
 @contextlib.contextmanager

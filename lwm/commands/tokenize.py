@@ -118,6 +118,13 @@ def run(args: argparse.Namespace) -> int:
     except (TokenizeError, ManifestError) as e:
         print(f"lwm tokenize: error: {e}", file=sys.stderr)
         return 2 if isinstance(e, ManifestError) else 1
+    except KeyboardInterrupt:
+        print(
+            f"lwm tokenize: interrupted; the finished chunks are in {args.output}.partial, "
+            "rerun the same command to continue",
+            file=sys.stderr,
+        )
+        return 130
     for line in summary.lines():
         print(f"lwm tokenize: {line}", file=sys.stderr)
     return 1 if args.strict and summary.failed else 0
