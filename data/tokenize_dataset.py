@@ -4,6 +4,8 @@ Pipeline: worker processes decode, sample, resize and crop the media of the item
 order (`data.decode`, a bounded number in flight); the main process gathers their frames into
 full batches of ``batch_frames`` and encodes them with the VQGAN (jitted), so the encoder is fed
 while the workers read; each finished item becomes one record (`data.tokens.build_example`).
+A file named by several items of a chunk (a caption line and a QA line of one video) is decoded
+and encoded once.
 
 Resumable: the items are cut into chunks of ``chunk_size`` (in input order); a finished chunk is
 written to ``OUT.partial/chunk-NNNNN.array_record`` with its summary ``chunk-NNNNN.json`` (written
@@ -141,14 +143,18 @@ def tokenize_dataset(
     if done:
         log(f"resuming: {len(done)} of {num_chunks} chunks already done in {work}")
     decode_opts = DecodeOptions(encoder.resolution, opts.fps, opts.max_frames, opts.min_frames)
-    indices = [i for c in todo for i in _chunk_range(c, opts.chunk_size, len(items))]
+    plans = {c: _chunk_plan(items, _chunk_range(c, opts.chunk_size, len(items))) for c in todo}
+    indices = [i for c in todo for i, first in plans[c] if first is None]
     start = summary.started = time.perf_counter()
     bar = _progress(opts, len(items), len(items) - len(indices))
     stream = _decode_stream(items, indices, decode_opts, opts.workers)
     try:
         for c in todo:
             chunk = _Chunk(items, codec, encoder, opts.batch_frames, summary, bar, log)
-            for i in _chunk_range(c, opts.chunk_size, len(items)):
+            for i, first in plans[c]:
+                if first is not None:  # the same file as item `first`: reuse its codes
+                    chunk.add_same_as(i, first)
+                    continue
                 decoded = next(stream)
                 assert decoded.index == i, (decoded.index, i)
                 chunk.add(decoded)
@@ -175,14 +181,27 @@ class _Chunk:
         self.codes: dict[int, list[np.ndarray]] = {}
         self.wanted: dict[int, int] = {}  # item -> frames it needs
         self.records: dict[int, dict[str, Any]] = {}
-        self.errors: list[str] = []
+        self.errors: dict[int, str] = {}
         self.frames = 0
+        self.done_codes: dict[int, np.ndarray] = {}  # codes of items that others repeat
+        self.repeats: dict[int, list[int]] = {}  # item -> later items of the same file
+
+    def add_same_as(self, index: int, first: int) -> None:
+        """Item ``index`` reads the same file as the earlier item ``first`` of this chunk."""
+        if self.bar is not None:
+            self.bar.update(1)
+        if first in self.errors:
+            self._fail(index, self.errors[first].replace(f"{self.items[first].path}: ", "", 1))
+        elif first in self.done_codes:
+            self._record(index, self.done_codes[first])
+        else:
+            self.repeats.setdefault(first, []).append(index)
 
     def add(self, d: Decoded) -> None:
         if self.bar is not None:
             self.bar.update(1)
         if d.error is not None:
-            self.errors.append(d.error)
+            self.errors[d.index] = d.error
             self._report(d.error)
         elif d.frames is None:
             self._record(d.index, None)
@@ -229,16 +248,25 @@ class _Chunk:
             self.codes[index].append(codes[at : at + count])
             at += count
             if sum(len(c) for c in self.codes[index]) == self.wanted[index]:
-                self._record(index, np.concatenate(self.codes.pop(index)))
+                item_codes = np.concatenate(self.codes.pop(index))
+                self._record(index, item_codes)
+                for later in self.repeats.pop(index, []):
+                    self._record(later, item_codes)
+
+    def _fail(self, index: int, problem: str) -> None:
+        item: Item = self.items[index]
+        error = f"{item.path or f'text item {index}'}: {problem}"
+        self.errors[index] = error
+        self._report(error)
 
     def _record(self, index: int, codes: np.ndarray | None) -> None:
         item: Item = self.items[index]
+        if codes is not None:
+            self.done_codes[index] = codes
         try:
             streams = build_example(self.codec, codes, text=item.text, qa=item.qa_dicts())
         except ValueError as e:
-            error = f"{item.path or f'text item {index}'}: {e}"
-            self.errors.append(error)
-            self._report(error)
+            self._fail(index, str(e))
             return
         self.records[index] = {
             **streams,
@@ -267,7 +295,7 @@ class _Chunk:
             "lengths": lengths,
             "vision_tokens": int(sum(r["vision_mask"].sum() for r in self.records.values())),
             "frames": self.frames,
-            "errors": self.errors,
+            "errors": [self.errors[i] for i in sorted(self.errors)],
         }
         _write_json(_chunk_json(work, c), info)
 
@@ -310,6 +338,23 @@ def _decode_stream(
 
 # ----------------------------------------------------------------------------------------------
 # the work directory, and the dataset assembled from it
+
+
+def _chunk_plan(items: list[Item], indices: range) -> list[tuple[int, int | None]]:
+    """(item, earlier item of the chunk with the same file or None): a file named by several
+    lines (a caption line and a QA line) is decoded and encoded once per chunk."""
+    first: dict[tuple[str, str], int] = {}
+    plan = []
+    for i in indices:
+        item = items[i]
+        key = (item.kind, item.path) if item.path is not None else None
+        if key is not None and key in first:
+            plan.append((i, first[key]))
+        else:
+            if key is not None:
+                first[key] = i
+            plan.append((i, None))
+    return plan
 
 
 def _chunk_range(c: int, size: int, total: int) -> range:

@@ -127,6 +127,8 @@ def test_manifest_qa_image_text_and_llama_tokenizer(tmp_path, media, vqgan_dir, 
         {"image": "photo.png", "text": "A grey picture."},
         {"text": "Two shapes on a dark background."},
         {"video": "missing.mp4", "text": "gone"},
+        {"video": str(folder / "a_h264.mp4"), "text": "The same video."},  # encoded once
+        {"video": "missing.mp4", "qa": qa},
     ]
     manifest = tmp_path / "manifest.jsonl"
     manifest.write_text("".join(json.dumps(line) + "\n" for line in lines))
@@ -138,12 +140,18 @@ def test_manifest_qa_image_text_and_llama_tokenizer(tmp_path, media, vqgan_dir, 
     err = capsys.readouterr().err
     assert code == 0, err
     assert (tmp_path / "tokens.errors.txt").read_text() == (
-        f"{tmp_path / 'missing.mp4'}: file not found\n"
+        f"{tmp_path / 'missing.mp4'}: file not found\n" * 2
     )
+    assert "7 frames encoded" in err  # 6 of the video (once), 1 of the image
     codec = TextCodec.load(str(llama))
     assert codec.bos_id == 1 and len(codec.vision_start) > 1  # LLaMA-like: markers are pieces
     assert codec.tokenizer.encode("<vision>")[0] == 1  # and BOS is added by default
-    video, image, text = read_records(out)
+    video, image, text, captioned = read_records(out)
+    assert captioned["source"] == video["source"] and captioned["num_frames"] == 6
+    np.testing.assert_array_equal(
+        np.asarray(captioned["tokens"])[captioned["vision_mask"]],
+        np.asarray(video["tokens"])[video["vision_mask"]],
+    )
 
     # video + QA at --fps 4 of an 8 fps video: 6 of 12 frames; video and questions are context
     tokens, loss = np.asarray(video["tokens"]), np.asarray(video["loss_mask"])
