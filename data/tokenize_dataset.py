@@ -313,7 +313,7 @@ def _worker_init() -> None:
 def _decode_stream(
     items: list[Item], indices: list[int], options: DecodeOptions, workers: int
 ) -> Iterator[Decoded]:
-    if workers <= 0:
+    if workers <= 0 or not indices:
         for i in indices:
             yield decode_item(i, items[i], options)
         return
