@@ -110,6 +110,10 @@ def test_folder_of_videos_with_broken_files(tmp_path, media, vqgan_dir, capsys):
         if name != "short.mp4":  # no --min-frames here: a 2-frame video is fine
             assert str(folder / name) in (tmp_path / "strict.errors.txt").read_text()
             assert f"failed: {folder / name}: " in err
+    # the finished work is kept: without --strict it is published at once, nothing re-encoded
+    assert lwm(["tokenize", *args[:2], "--output", str(strict_out), *args[4:], *FAST]) == 0
+    assert "0 frames encoded" in capsys.readouterr().err
+    assert len(read_records(strict_out)) == 5  # the 2-frame video is fine without --min-frames
 
 
 def test_manifest_qa_image_text_and_llama_tokenizer(tmp_path, media, vqgan_dir, capsys):
