@@ -1,0 +1,362 @@
+"""VQGAN training: reconstruction + codebook/commitment losses, a PatchGAN hinge loss from
+``loss.disc_start`` on, dead-code restarts, data parallel over the mesh's batch axes.
+
+    lwm vqgan train configs/vqgan/small.yaml train.steps=2000
+
+Writes into ``train.output_dir``: ``config.yaml``; ``checkpoints/`` (orbax; a rerun resumes from
+the latest exactly: batches and random keys are functions of the step); ``metrics.jsonl`` and
+``tb/`` (TensorBoard scalars); ``samples/step_NNNNNN.png`` (originals above reconstructions of
+held-out frames) at each evaluation; and at the end ``model.safetensors`` + ``eval.json``, so
+the folder is what `vqgan.load_tokenizer` loads.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from data.video_io import write_png
+from lwm.mesh import MeshError, make_mesh
+from vqgan.checkpoint import Checkpointer
+from vqgan.config import (
+    LossConfig,
+    QuantizerConfig,
+    TrainConfig,
+    VQGANConfig,
+)
+from vqgan.data import FrameSource, load_frames
+from vqgan.discriminator import PatchDiscriminator
+from vqgan.losses import get_perceptual, hinge_d_loss, hinge_g_loss, psnr, recon_loss
+from vqgan.model import VQGAN, host_init, init_model
+from vqgan.preprocess import postprocess
+from vqgan.quantizer import code_counts, restart_dead_codes, update_usage, usage_stats
+from vqgan.weights import save_weights, write_config
+
+__all__ = ["TrainState", "create_state", "evaluate", "make_train_step", "step_phase", "train"]
+
+BATCH = P(("dp", "fsdp"))
+
+
+@dataclass
+class TrainState:
+    model: VQGAN
+    disc: PatchDiscriminator
+    opt: nnx.Optimizer
+    disc_opt: nnx.Optimizer
+    usage: jax.Array  # EMA of per-step code counts [num_embeddings]
+
+    def checkpoint_trees(self) -> tuple[dict, dict]:
+        """(model params, everything else) as pure dicts of arrays, for orbax."""
+        model = nnx.to_pure_dict(nnx.state(self.model, nnx.Param))
+        train = {
+            "disc": nnx.to_pure_dict(nnx.state(self.disc, nnx.Param)),
+            "opt": nnx.to_pure_dict(nnx.state(self.opt)),
+            "disc_opt": nnx.to_pure_dict(nnx.state(self.disc_opt)),
+            "usage": self.usage,
+        }
+        return model, train
+
+    def load_trees(self, model: dict, train: dict) -> None:
+        for obj, tree, filt in (
+            (self.model, model, nnx.Param),
+            (self.disc, train["disc"], nnx.Param),
+            (self.opt, train["opt"], ...),
+            (self.disc_opt, train["disc_opt"], ...),
+        ):
+            state = nnx.state(obj, filt)
+            nnx.replace_by_pure_dict(state, tree)
+            nnx.update(obj, state)
+        self.usage = train["usage"]
+
+
+def _schedule(t: TrainConfig, peak: float) -> optax.Schedule:
+    if t.schedule == "cosine":
+        decay_steps = max(t.steps, t.warmup_steps + 1)
+        end = peak * t.end_learning_rate_ratio
+        return optax.warmup_cosine_decay_schedule(0.0, peak, t.warmup_steps, decay_steps, end)
+    return optax.warmup_constant_schedule(0.0 if t.warmup_steps else peak, peak, t.warmup_steps)
+
+
+@functools.cache
+def _optimizer(train_json: str, peak: float) -> optax.GradientTransformation:
+    # Cached on the settings, so runs with equal settings share one transformation object and
+    # with it the compiled train step (the optimizer is static structure under nnx.jit).
+    t = TrainConfig.model_validate_json(train_json)
+    adam = optax.adamw(_schedule(t, peak), b1=t.b1, b2=t.b2, weight_decay=t.weight_decay)
+    return optax.chain(optax.clip_by_global_norm(t.clip_norm), adam) if t.clip_norm else adam
+
+
+def _train_json(cfg: VQGANConfig) -> str:
+    # The fields the optimizer depends on (not output_dir, logging, ...).
+    fields = {"steps", "learning_rate", "warmup_steps", "schedule", "end_learning_rate_ratio"}
+    fields |= {"b1", "b2", "weight_decay", "clip_norm"}
+    return cfg.train.model_dump_json(include=fields)
+
+
+def _key(seed: int) -> jax.Array:
+    # "rbg" keys (XLA's RngBitGenerator) compile several times faster on CPU than threefry.
+    return jax.random.key(seed, impl="rbg")
+
+
+@functools.partial(nnx.jit, static_argnums=(2, 3))
+def _optimizers(
+    model: VQGAN,
+    disc: PatchDiscriminator,
+    tx: optax.GradientTransformation,
+    disc_tx: optax.GradientTransformation,
+) -> tuple[nnx.Optimizer, nnx.Optimizer]:
+    return nnx.Optimizer(model, tx, wrt=nnx.Param), nnx.Optimizer(disc, disc_tx, wrt=nnx.Param)
+
+
+def create_state(cfg: VQGANConfig, mesh: Mesh | None = None) -> TrainState:
+    """Fresh model, discriminator and optimizers (replicated over ``mesh`` if given)."""
+    train_json = _train_json(cfg)
+    tx = _optimizer(train_json, cfg.train.learning_rate)
+    disc_tx = _optimizer(train_json, cfg.discriminator.learning_rate)
+    model = init_model(cfg.model, cfg.seed)
+    disc = host_init(
+        nnx.eval_shape(
+            lambda: PatchDiscriminator(cfg.discriminator, cfg.model.num_channels, rngs=nnx.Rngs(0))
+        ),
+        cfg.seed + 1,
+    )
+    opt, disc_opt = _optimizers(model, disc, tx, disc_tx)
+    modules = (model, disc, opt, disc_opt)
+    usage = jnp.zeros((cfg.model.num_embeddings,), jnp.float32)
+    if mesh is not None:
+        replicated = NamedSharding(mesh, P())
+        for obj in modules:
+            nnx.update(obj, jax.device_put(nnx.state(obj), replicated))
+        usage = jax.device_put(usage, replicated)
+    return TrainState(*modules, usage)
+
+
+def step_phase(cfg: VQGANConfig, step: int) -> tuple[bool, bool]:
+    """(adversarial loss on, restart dead codes after) for 0-based ``step``."""
+    q = cfg.quantizer
+    use_adv = cfg.loss.adversarial_weight > 0 and step >= cfg.loss.disc_start
+    do_restart = (
+        q.restart_dead_codes
+        and step > 0
+        and step % q.restart_every == 0
+        and (q.restart_until is None or step <= q.restart_until)
+    )
+    return use_adv, do_restart
+
+
+def make_train_step(cfg: VQGANConfig) -> Callable[..., tuple[jax.Array, dict[str, jax.Array]]]:
+    """The train step for ``cfg``'s losses and quantizer (cached: equal settings, one program).
+
+    ``step(model, disc, opt, disc_opt, usage, frames_uint8, key, use_adv, do_restart)
+    -> (usage, metrics)``, updating the modules in place. ``use_adv`` is static (one compiled
+    program before ``loss.disc_start``, one after); ``do_restart`` is a traced bool."""
+    return _make_train_step(cfg.loss.model_dump_json(), cfg.quantizer.model_dump_json())
+
+
+@functools.cache
+def _make_train_step(loss_json: str, quantizer_json: str):
+    loss_cfg = LossConfig.model_validate_json(loss_json)
+    q_cfg = QuantizerConfig.model_validate_json(quantizer_json)
+    perceptual = get_perceptual(loss_cfg.perceptual) if loss_cfg.perceptual_weight > 0 else None
+
+    def gen_loss(model: VQGAN, disc: PatchDiscriminator, x: jax.Array, use_adv: bool):
+        x_hat, q = model(x)
+        rec = recon_loss(x, x_hat, loss_cfg.recon)
+        vq = q_cfg.codebook_weight * q.codebook_loss + q_cfg.commitment_cost * q.commitment_loss
+        loss = loss_cfg.recon_weight * rec + vq
+        aux = {"recon": rec, "codebook": q.codebook_loss, "commitment": q.commitment_loss}
+        if perceptual is not None:
+            aux["perceptual"] = perceptual(x, x_hat)
+            loss = loss + loss_cfg.perceptual_weight * aux["perceptual"]
+        if use_adv:
+            aux["g_adv"] = hinge_g_loss(disc(x_hat))
+            loss = loss + loss_cfg.adversarial_weight * aux["g_adv"]
+        return loss, (aux, x_hat, q.codes, q.latents)
+
+    def disc_loss(disc: PatchDiscriminator, x: jax.Array, x_hat: jax.Array):
+        real, fake = disc(x), disc(x_hat)
+        return hinge_d_loss(real, fake), (jnp.mean(real), jnp.mean(fake))
+
+    @nnx.jit(static_argnames=("use_adv",))
+    def step(model, disc, opt, disc_opt, usage, frames, key, use_adv, do_restart):
+        x = frames.astype(jnp.float32) / 127.5 - 1.0
+        grad_fn = nnx.value_and_grad(gen_loss, has_aux=True)
+        (loss, (aux, x_hat, codes, latents)), grads = grad_fn(model, disc, x, use_adv)
+        opt.update(model, grads)
+        metrics = {"loss": loss, **aux, **usage_stats(code_counts(codes, usage.shape[0]))}
+        if use_adv:
+            d_fn = nnx.value_and_grad(disc_loss, has_aux=True)
+            (d_loss, (real, fake)), d_grads = d_fn(disc, x, jax.lax.stop_gradient(x_hat))
+            disc_opt.update(disc, d_grads)
+            metrics.update(d_loss=d_loss, d_real=real, d_fake=fake)
+        usage = update_usage(usage, codes, q_cfg.usage_decay)
+        # A traced flag (not static): restarting is cheap, and one program serves every step.
+        emb = model.quantizer.embeddings
+        new, new_usage, restarted = restart_dead_codes(
+            emb[...], usage, latents, key, q_cfg.dead_threshold
+        )
+        emb[...] = jnp.where(do_restart, new, emb[...])
+        usage = jnp.where(do_restart, new_usage, usage)
+        metrics["restarted"] = jnp.where(do_restart, restarted, 0)
+        return usage, metrics
+
+    return step
+
+
+@nnx.jit
+def _reconstruct(model: VQGAN, frames: jax.Array) -> tuple[jax.Array, jax.Array]:
+    x = frames.astype(jnp.float32) / 127.5 - 1.0
+    codes = model.encode(x).codes
+    return codes, postprocess(model.decode_codes(codes))
+
+
+def evaluate(
+    model: VQGAN, frames: np.ndarray, batch_size: int, mesh: Mesh | None = None
+) -> tuple[dict[str, float], np.ndarray]:
+    """PSNR (dB, mean over frames) and codebook usage on ``frames``; also the reconstructions."""
+    sharding = NamedSharding(mesh, BATCH) if mesh is not None else None
+    codes_all, recon_all = [], []
+    for start in range(0, len(frames), batch_size):
+        chunk = frames[start : start + batch_size]
+        n = len(chunk)
+        if n < batch_size:
+            chunk = np.concatenate([chunk, np.zeros((batch_size - n, *chunk.shape[1:]), np.uint8)])
+        chunk = jax.device_put(chunk, sharding) if sharding is not None else jnp.asarray(chunk)
+        codes, recon = _reconstruct(model, chunk)
+        codes_all.append(np.asarray(codes)[:n])
+        recon_all.append(np.asarray(recon)[:n])
+    codes, recon = np.concatenate(codes_all), np.concatenate(recon_all)
+    counts = np.bincount(codes.reshape(-1), minlength=model.cfg.num_embeddings).astype(np.float32)
+    stats = {k: float(v) for k, v in usage_stats(jnp.asarray(counts)).items()}
+    return {"psnr": float(np.mean(psnr(frames, recon))), **stats}, recon
+
+
+def _grid(originals: np.ndarray, recon: np.ndarray, min_size: int = 128) -> np.ndarray:
+    """Originals in the top row, reconstructions below, upscaled (nearest) to >= min_size px."""
+    scale = max(1, -(-min_size // originals.shape[1]))
+    rows = [np.concatenate(list(frames), axis=1) for frames in (originals, recon)]
+    grid = np.concatenate(rows, axis=0)
+    return np.repeat(np.repeat(grid, scale, axis=0), scale, axis=1)
+
+
+class _Logger:
+    def __init__(self, out: Path):
+        from tensorboardX import SummaryWriter
+
+        self._jsonl = (out / "metrics.jsonl").open("a")
+        self._tb = SummaryWriter(str(out / "tb"))
+
+    def log(self, step: int, split: str, metrics: dict[str, float]) -> None:
+        self._jsonl.write(json.dumps({"step": step, "split": split, **metrics}) + "\n")
+        self._jsonl.flush()
+        for key, value in metrics.items():
+            self._tb.add_scalar(f"{split}/{key}", value, step)
+        self._tb.flush()
+
+    def close(self) -> None:
+        self._jsonl.close()
+        self._tb.close()
+
+
+def train(
+    cfg: VQGANConfig,
+    *,
+    mesh: Mesh | None = None,
+    source: FrameSource | None = None,
+    stop_at: int | None = None,
+) -> dict[str, float]:
+    """Train (or resume) per ``cfg``; returns the final held-out metrics.
+
+    ``stop_at``: stop after this many completed steps (checkpointing there), as an interrupted
+    run would; a later call resumes. The weights and eval.json are written only at the end."""
+    from tqdm import tqdm
+
+    t = cfg.train
+    out = Path(t.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    write_config(out, cfg)
+    mesh = make_mesh(cfg.mesh.shape) if mesh is None else mesh
+    data = mesh.shape["dp"] * mesh.shape["fsdp"]
+    if t.batch_size % data:
+        raise MeshError(
+            f"train.batch_size {t.batch_size} is not divisible by dp x fsdp = {data} devices"
+        )
+    source = load_frames(cfg) if source is None else source
+    eval_idx = np.unique(np.linspace(0, len(source.eval) - 1, t.eval_frames).astype(int))
+    eval_frames = source.eval[eval_idx]
+    grid_idx = np.linspace(0, len(eval_frames) - 1, t.grid_frames).astype(int)
+
+    state = create_state(cfg, mesh)
+    ckpt = Checkpointer(out / "checkpoints", t.max_to_keep)
+    start = ckpt.latest_step() or 0
+    if start:
+        state.load_trees(*ckpt.restore(start, *state.checkpoint_trees()))
+    step_fn = make_train_step(cfg)
+    batch_sharding = NamedSharding(mesh, BATCH)
+    base_key = _key(cfg.seed)
+    logger = _Logger(out)
+    metrics: dict[str, float] = {}
+    bar = tqdm(
+        range(start, t.steps), initial=start, total=t.steps, disable=not t.progress, unit="step"
+    )
+    tick, tick_step = time.perf_counter(), start
+    for step in bar:
+        frames = jax.device_put(source.batch(step, t.batch_size), batch_sharding)
+        use_adv, do_restart = step_phase(cfg, step)
+        key = jax.random.fold_in(base_key, step)
+        state.usage, step_metrics = step_fn(
+            state.model,
+            state.disc,
+            state.opt,
+            state.disc_opt,
+            state.usage,
+            frames,
+            key,
+            use_adv=use_adv,
+            do_restart=jnp.asarray(do_restart),
+        )
+        done = step + 1
+        if done % t.log_every == 0 or done == t.steps or do_restart:
+            now = time.perf_counter()
+            row = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
+            row["frames_per_s"] = (done - tick_step) * t.batch_size / max(now - tick, 1e-9)
+            tick, tick_step = now, done
+            logger.log(done, "train", row)
+            bar.set_postfix(loss=f"{row['loss']:.4f}", used=f"{row['codebook_used']:.2f}")
+        if done % t.eval_every == 0 or done == t.steps:
+            metrics, recon = evaluate(state.model, eval_frames, t.batch_size, mesh)
+            logger.log(done, "eval", metrics)
+            write_png(
+                out / "samples" / f"step_{done:06d}.png",
+                _grid(eval_frames[grid_idx], recon[grid_idx]),
+            )
+            bar.write(
+                f"step {done}: held-out PSNR {metrics['psnr']:.2f} dB, codebook used "
+                f"{metrics['codebook_used']:.1%}, perplexity {metrics['perplexity']:.1f}"
+            )
+        if done % t.save_every == 0 or done == t.steps or done == stop_at:
+            ckpt.save(done, *state.checkpoint_trees())
+        if done == stop_at:
+            break
+    ckpt.wait()
+    ckpt.close()
+    logger.close()
+    if stop_at is not None and stop_at < t.steps:
+        return metrics
+    if not metrics:  # nothing left to run: evaluate what the checkpoint holds
+        metrics, _ = evaluate(state.model, eval_frames, t.batch_size, mesh)
+    save_weights(out, state.model, cfg)
+    (out / "eval.json").write_text(json.dumps({"step": t.steps, **metrics}, indent=1) + "\n")
+    return metrics
