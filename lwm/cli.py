@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "train": ("lwm.commands.train", "train the model (sharded, checkpointed, resumable)"),
     "tokenize": ("lwm.commands.tokenize", "videos, images and text to an LWM token dataset"),
+    "vqgan": ("lwm.commands.vqgan", "the VQGAN video tokenizer: train, encode, decode, import"),
 }
 
 # Errors caused by the user's input: reported as one line, exit status 2, no traceback.
@@ -57,7 +58,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     module.add_arguments(parser)
-    args = parser.parse_intermixed_args(top.args)
+    # A verb with subcommands parses its own arguments (argparse cannot intermix subparsers).
+    parse = getattr(module, "parse_args", None)
+    args = parse(parser, top.args) if parse else parser.parse_intermixed_args(top.args)
     try:
         return int(module.run(args))
     except USER_ERRORS as e:

@@ -1,0 +1,72 @@
+"""The VQGAN video tokenizer: LWM's architecture in Flax NNX, its training, fast batched
+encode/decode, and a safe import of LWM's released weights.
+
+The one entry point for tokenizing (`lwm tokenize` calls exactly this)::
+
+    from vqgan import load_tokenizer
+
+    tok = load_tokenizer(path, mesh=None, dtype=None, batch_size=None)
+    codes = tok.encode(frames)   # uint8 [B, T, H, W, 3], any H and W -> int32 [B, T, h, w] (numpy)
+    frames = tok.decode(codes)   # int [B, T, h, w] in [0, codebook_size) -> uint8 [B, T, R, R, 3]
+    tok.resolution               # R: frames are resized (short side) and centre-cropped to R x R
+    tok.tokens_per_frame         # h * w (256 for LWM's 256x256 model, 64 for configs/vqgan/small)
+    tok.codes_shape              # (h, w); codes are in raster order
+    tok.codebook_size            # 8192 for LWM
+
+``path`` is a folder holding ``config.yaml`` and ``model.safetensors`` (written at the end of
+`lwm vqgan train` into its ``train.output_dir``, or by `lwm vqgan import`), or a training output
+folder whose run has not finished (the latest orbax checkpoint under ``checkpoints/`` is used).
+``mesh``: the (dp, fsdp, sp, tp) mesh to shard batches over (default: all devices on fsdp);
+``dtype``: compute dtype override ("bfloat16"); ``batch_size``: frames per jitted call.
+
+Modules: `config` (typed YAML configs), `model` (encoder, decoder), `quantizer`,
+`discriminator`, `losses`, `train`, `tokenizer` (`VideoTokenizer`), `weights` (safetensors,
+LWM layout), `legacy_pickle` (the restricted unpickler), `preprocess`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from jax.sharding import Mesh
+
+__all__ = ["load_model", "load_tokenizer"]
+
+
+def load_model(path: str | os.PathLike, *, dtype: str | None = None):
+    """The `VQGAN` model saved in ``path`` (see `load_tokenizer` for what ``path`` may be)."""
+    from flax import nnx
+
+    from vqgan.checkpoint import restore_model_params
+    from vqgan.model import VQGAN
+    from vqgan.weights import WEIGHTS_FILE, load_weights, read_config
+
+    path = Path(path)
+    if (path / WEIGHTS_FILE).is_file():
+        return load_weights(path, dtype=dtype)[0]
+    if (path / "checkpoints").is_dir():
+        cfg = read_config(path).model
+        if dtype is not None:
+            cfg = cfg.model_copy(update={"dtype": dtype})
+        graphdef, state = nnx.split(nnx.eval_shape(lambda: VQGAN(cfg, rngs=nnx.Rngs(0))))
+        restored = restore_model_params(path / "checkpoints", nnx.to_pure_dict(state))
+        nnx.replace_by_pure_dict(state, restored)
+        return nnx.merge(graphdef, state)
+    raise FileNotFoundError(
+        f"'{path}' holds no VQGAN: expected {WEIGHTS_FILE} and config.yaml, or a training "
+        "output folder with checkpoints/"
+    )
+
+
+def load_tokenizer(
+    path: str | os.PathLike,
+    *,
+    mesh: Mesh | None = None,
+    dtype: str | None = None,
+    batch_size: int | None = None,
+):
+    """A `vqgan.tokenizer.VideoTokenizer` for the VQGAN saved in ``path`` (module docstring)."""
+    from vqgan.tokenizer import VideoTokenizer
+
+    return VideoTokenizer(load_model(path, dtype=dtype), mesh=mesh, batch_size=batch_size)

@@ -1,0 +1,169 @@
+"""The VQGAN video tokenizer: train it, tokenize a video, look at codes, import LWM's weights.
+
+  lwm vqgan train configs/vqgan/small.yaml [KEY=VALUE ...]
+  lwm vqgan encode VIDEO --checkpoint runs/vqgan_small [--out codes.npy] [--max-frames N]
+  lwm vqgan decode codes.npy --checkpoint runs/vqgan_small --out video.mp4   (or .png)
+  lwm vqgan import vqgan.pkl --out weights/lwm_vqgan --allow-legacy-pickle
+
+`--checkpoint` is anything `vqgan.load_tokenizer` accepts: a training output folder or a
+folder with config.yaml and model.safetensors (what `import` writes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+_SUBPARSERS: dict[str, argparse.ArgumentParser] = {}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="subcommand", required=True, metavar="SUBCOMMAND")
+
+    p = sub.add_parser("train", help="train a VQGAN (resumes from the output folder's checkpoint)")
+    p.add_argument("config", help="YAML config, e.g. configs/vqgan/small.yaml")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. train.steps=100")
+    _SUBPARSERS["train"] = p
+
+    p = sub.add_parser("encode", help="tokenize a video (or image) into codes")
+    p.add_argument("video", help="video file (anything decord reads) or image")
+    p.add_argument("--checkpoint", required=True, help="VQGAN folder")
+    p.add_argument("--out", help="write the codes [1, T, h, w] as .npy")
+    p.add_argument("--max-frames", type=int, help="sample at most N frames, evenly spaced")
+    _SUBPARSERS["encode"] = p
+
+    p = sub.add_parser("decode", help="turn codes back into frames (MP4 or PNG)")
+    p.add_argument("codes", help=".npy of codes [B, T, h, w], [T, h, w] or [h, w]")
+    p.add_argument("--checkpoint", required=True, help="VQGAN folder")
+    p.add_argument("--out", required=True, help="x.mp4 (the first video) or x.png (all frames)")
+    p.add_argument("--fps", type=int, default=8)
+    _SUBPARSERS["decode"] = p
+
+    p = sub.add_parser("import", help="import LWM's pickled VQGAN parameters as safetensors")
+    p.add_argument("pickle", help="LWM's VQGAN parameter file (a pickle)")
+    p.add_argument("--out", required=True, help="output folder (config.yaml, model.safetensors)")
+    p.add_argument(
+        "--config",
+        default=None,
+        help="VQGAN config of the weights (default: LWM's, as configs/vqgan/lwm.yaml)",
+    )
+    p.add_argument(
+        "--allow-legacy-pickle",
+        action="store_true",
+        help="required: read the pickle with the restricted unpickler (containers and numpy only)",
+    )
+    _SUBPARSERS["import"] = p
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
+    """argparse cannot intermix options and positionals over subcommands, so the subcommand's
+    own parser parses the rest (intermixed, like every other verb)."""
+    if argv and argv[0] in _SUBPARSERS:
+        args = _SUBPARSERS[argv[0]].parse_intermixed_args(list(argv[1:]))
+        args.subcommand = argv[0]
+        return args
+    return parser.parse_args(list(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    from data.video_io import VideoError
+    from vqgan.legacy_pickle import LegacyPickleError
+    from vqgan.weights import WeightsError
+
+    try:
+        return {"train": _train, "encode": _encode, "decode": _decode, "import": _import}[
+            args.subcommand
+        ](args)
+    except (LegacyPickleError, WeightsError, VideoError) as e:
+        print(f"lwm: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+
+
+def _train(args: argparse.Namespace) -> int:
+    from vqgan.config import load_vqgan_config
+    from vqgan.train import train
+
+    cfg = load_vqgan_config(args.config, args.overrides)
+    metrics = train(cfg)
+    print(
+        f"{cfg.train.output_dir}: held-out PSNR {metrics['psnr']:.2f} dB, codebook used "
+        f"{metrics['codebook_used']:.1%}, perplexity {metrics['perplexity']:.1f}"
+    )
+    return 0
+
+
+def _encode(args: argparse.Namespace) -> int:
+    from data.video_io import read_video
+    from vqgan import load_tokenizer
+
+    frames = read_video(args.video, args.max_frames)
+    tok = load_tokenizer(args.checkpoint)
+    codes = tok.encode(frames[None])
+    print(
+        f"{args.video}: {frames.shape[0]} frames {frames.shape[1]}x{frames.shape[2]} -> codes "
+        f"{list(codes.shape)} ({tok.tokens_per_frame} per frame, codebook {tok.codebook_size}, "
+        f"{len(np.unique(codes))} distinct)"
+    )
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(f".{out.name}.tmp.npy")
+        np.save(tmp, codes)
+        tmp.replace(out)
+        print(f"wrote {out}")
+    else:
+        print("frame 0:")
+        print(np.array2string(codes[0, 0], max_line_width=200))
+    return 0
+
+
+def _decode(args: argparse.Namespace) -> int:
+    from data.video_io import VideoError, write_mp4, write_png
+    from vqgan import load_tokenizer
+
+    path = Path(args.codes)
+    if not path.is_file():
+        raise FileNotFoundError(f"codes file '{path}' not found")
+    try:
+        codes = np.load(path, allow_pickle=False)
+    except ValueError as e:
+        raise VideoError(f"'{path}' is not a numpy .npy file of codes: {e}") from None
+    codes = codes.reshape((1,) * (4 - codes.ndim) + codes.shape) if codes.ndim < 4 else codes
+    tok = load_tokenizer(args.checkpoint)
+    try:
+        frames = tok.decode(codes)
+    except ValueError as e:
+        raise VideoError(f"'{path}': {e}") from None
+    out = Path(args.out)
+    if out.suffix.lower() == ".png":
+        write_png(out, np.concatenate([np.concatenate(list(v), axis=1) for v in frames], axis=0))
+    elif out.suffix.lower() == ".mp4":
+        write_mp4(out, frames[0], fps=args.fps)
+    else:
+        raise VideoError(f"--out '{out}': expected a .mp4 or .png file name")
+    print(f"wrote {out} ({frames.shape[1]} frames {frames.shape[2]}x{frames.shape[3]})")
+    return 0
+
+
+def _import(args: argparse.Namespace) -> int:
+    from vqgan.config import VQGANConfig, load_vqgan_config
+    from vqgan.legacy_pickle import load_legacy_pickle
+    from vqgan.weights import import_lwm_params, save_weights
+
+    cfg = load_vqgan_config(args.config) if args.config else VQGANConfig()  # default: LWM's
+    tree = load_legacy_pickle(args.pickle, allow_pickle=args.allow_legacy_pickle)
+    model = import_lwm_params(tree, cfg.model, source=args.pickle)
+    save_weights(args.out, model, cfg)
+    n = sum(int(np.prod(v.shape)) for v in _leaves(tree))
+    print(f"imported {n:,} parameters from {args.pickle} into {args.out}")
+    return 0
+
+
+def _leaves(tree: object) -> list[np.ndarray]:
+    if isinstance(tree, dict):
+        return [leaf for value in tree.values() for leaf in _leaves(value)]
+    return [np.asarray(tree)]
