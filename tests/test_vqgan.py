@@ -1,0 +1,415 @@
+"""The VQGAN tokenizer: configs, shapes, quantizer, preprocessing, exact resume over 8 devices,
+the batched sharded tokenizer, LWM weight import and the restricted unpickler."""
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from PIL import Image
+
+from lwm.config import ConfigError
+from lwm.mesh import make_mesh
+from vqgan import load_model, load_tokenizer
+from vqgan.config import VQGANConfig, VQGANModelConfig, load_vqgan_config
+from vqgan.legacy_pickle import LegacyPickleError, load_legacy_pickle
+from vqgan.model import VQGAN, init_model
+from vqgan.preprocess import postprocess, preprocess, resize_and_crop, resized_shape
+from vqgan.quantizer import (
+    VectorQuantizer,
+    code_counts,
+    restart_dead_codes,
+    update_usage,
+    usage_stats,
+)
+from vqgan.train import step_phase, train
+from vqgan.weights import WeightsError, export_lwm_params, import_lwm_params
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "configs" / "vqgan"
+TINY = CONFIGS / "tiny.yaml"
+
+
+def _tiny_model_cfg(**update) -> VQGANModelConfig:
+    return load_vqgan_config(TINY).model.model_copy(update=update)
+
+
+# ---------------------------------------------------------------------------------------------
+# Configs and shapes
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
+def test_presets_load(path: Path) -> None:
+    cfg = load_vqgan_config(path)
+    assert path.read_text().startswith(f"# lwm vqgan train configs/vqgan/{path.name}\n")
+    assert cfg.model.tokens_per_frame == cfg.model.codes_per_side**2
+
+
+def test_lwm_preset_is_lwms_architecture() -> None:
+    cfg = load_vqgan_config(CONFIGS / "lwm.yaml").model
+    assert cfg == VQGANModelConfig()  # the defaults are LWM's
+    assert (cfg.resolution, cfg.codes_per_side, cfg.tokens_per_frame) == (256, 16, 256)
+    assert (cfg.num_embeddings, cfg.embed_dim, cfg.channel_mult) == (8192, 64, (1, 2, 2, 4, 6))
+    abstract = nnx.eval_shape(lambda: VQGAN(cfg, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    frames = jax.ShapeDtypeStruct((2, 256, 256, 3), jnp.float32)
+    codes = jax.eval_shape(lambda s, x: nnx.merge(graphdef, s).encode(x).codes, state, frames)
+    assert codes.shape == (2, 16, 16) and codes.dtype == jnp.int32
+    out = jax.eval_shape(lambda s, c: nnx.merge(graphdef, s).decode_codes(c), state, codes)
+    assert out.shape == (2, 256, 256, 3)
+    params = nnx.state(abstract, nnx.Param)
+    assert params["quantizer"]["embeddings"].shape == (8192, 64)
+    assert params["decoder"]["up"][4]["res"][0]["conv1"]["kernel"].shape == (3, 3, 768, 768)
+    assert (
+        len(params["decoder"]["up"][0]["res"]) == 3
+        and len(params["encoder"]["down"][0]["res"]) == 2
+    )
+
+
+def test_config_errors_name_the_key() -> None:
+    with pytest.raises(ConfigError, match="unknown config key 'model.attn'; valid keys in 'model'"):
+        load_vqgan_config(TINY, ["model.attn=1"])
+    with pytest.raises(ConfigError, match="divisible by the downsampling factor"):
+        load_vqgan_config(TINY, ["model.resolution=15"])
+    with pytest.raises(ConfigError, match="num_groups"):
+        load_vqgan_config(TINY, ["model.num_groups=5"])
+    assert load_vqgan_config(TINY, ["model.channel_mult=[1,2,2]"]).model.tokens_per_frame == 16
+
+
+def test_shapes_and_code_range() -> None:
+    cfg = _tiny_model_cfg()
+    model = init_model(cfg)
+    x = jax.random.uniform(jax.random.key(1), (3, 16, 16, 3), minval=-1, maxval=1)
+
+    @nnx.jit
+    def run(model, x):
+        x_hat, out = model(x)
+        return x_hat, out.codes, model.decode_codes(out.codes)
+
+    x_hat, codes, frames = run(model, x)
+    assert x_hat.shape == x.shape and codes.shape == (3, 8, 8) and codes.dtype == jnp.int32
+    assert int(codes.min()) >= 0 and int(codes.max()) < cfg.num_embeddings
+    assert frames.shape == (3, 16, 16, 3) and float(jnp.abs(frames).max()) <= 1.0
+    with pytest.raises(ValueError, match=r"expected frames \[N, 16, 16, 3\]"):
+        jax.eval_shape(lambda x: model.encode(x), jax.ShapeDtypeStruct((1, 32, 32, 3), jnp.float32))
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantizer
+
+
+def test_quantizer_straight_through_and_losses() -> None:
+    q = VectorQuantizer(16, 4, rngs=nnx.Rngs(0))
+    q.embeddings[...] = jax.random.normal(jax.random.key(0), (16, 4))
+    z = jax.random.normal(jax.random.key(1), (2, 3, 3, 4))
+    emb = q.embeddings[...]
+    out = q(z)
+    brute = jnp.argmin(jnp.sum((z[..., None, :] - emb) ** 2, axis=-1), axis=-1)
+    assert np.array_equal(out.codes, brute)
+    np.testing.assert_allclose(out.quantized, emb[out.codes], rtol=1e-6, atol=1e-6)
+    mse = jnp.mean((z - emb[out.codes]) ** 2)
+    np.testing.assert_allclose(out.codebook_loss, mse, rtol=1e-6)
+    np.testing.assert_allclose(out.commitment_loss, mse, rtol=1e-6)
+    # Straight-through: d(quantized)/dz is the identity.
+    c = jax.random.normal(jax.random.key(2), z.shape)
+    g = jax.grad(lambda z: jnp.sum(q(z).quantized * c))(z)
+    np.testing.assert_allclose(g, c, rtol=1e-6)
+    # The codebook loss moves only the codebook; the commitment loss only the encoder output.
+    graphdef, params = nnx.split(q)
+
+    def loss(params, z, name):
+        return getattr(nnx.merge(graphdef, params)(z), name)
+
+    g_cb = jax.grad(loss, argnums=(0, 1))(params, z, "codebook_loss")
+    g_cm = jax.grad(loss, argnums=(0, 1))(params, z, "commitment_loss")
+    assert (
+        float(jnp.abs(g_cb[1]).max()) == 0 and float(jnp.abs(g_cb[0]["embeddings"][...]).max()) > 0
+    )
+    assert (
+        float(jnp.abs(g_cm[0]["embeddings"][...]).max()) == 0 and float(jnp.abs(g_cm[1]).max()) > 0
+    )
+
+
+def test_usage_stats() -> None:
+    counts = code_counts(jnp.array([[0, 1], [2, 3]]), 8)
+    assert counts.tolist() == [1, 1, 1, 1, 0, 0, 0, 0]
+    stats = usage_stats(counts)
+    np.testing.assert_allclose(stats["perplexity"], 4.0, rtol=1e-5)
+    assert float(stats["codebook_used"]) == 0.5
+    usage = update_usage(jnp.ones(8), jnp.array([0, 0]), decay=0.5)
+    assert usage.tolist() == [1.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5]
+
+
+def test_dead_code_restart() -> None:
+    emb = jnp.arange(24, dtype=jnp.float32).reshape(6, 4)
+    usage = jnp.array([2.0, 0.0, 1.0, 0.001, 3.0, 0.0])
+    z = 100 + jax.random.normal(jax.random.key(0), (5, 2, 4))
+    new, new_usage, n = restart_dead_codes(emb, usage, z, jax.random.key(1), threshold=0.01)
+    dead = np.array([False, True, False, True, False, True])
+    assert int(n) == 3
+    np.testing.assert_array_equal(new[~dead], emb[~dead])
+    flat = np.asarray(z).reshape(-1, 4)
+    for row in np.asarray(new)[dead]:  # each restarted code sits on an encoder output
+        assert np.abs(flat - row).max(axis=1).min() < 0.1
+    assert np.all(np.asarray(new_usage)[dead] >= 0.01)
+    np.testing.assert_array_equal(np.asarray(new_usage)[~dead], np.asarray(usage)[~dead])
+
+
+# ---------------------------------------------------------------------------------------------
+# Preprocessing
+
+
+def test_preprocess_as_lwm() -> None:
+    """Short side resized to the resolution, centre crop, x/127.5 - 1: as LWM does with PIL."""
+    rng = np.random.default_rng(0)
+    h, w, size = 40, 30, 16
+    smooth = np.kron(rng.integers(0, 256, (8, 6, 3)), np.ones((5, 5, 1))).astype(np.uint8)
+    assert resized_shape(h, w, size) == (21, 16)
+    ours = np.asarray(resize_and_crop(jnp.asarray(smooth[None]), size))[0]
+    image = Image.fromarray(smooth).resize((16, 21), Image.BICUBIC)  # LWM's _process_frame
+    left, top = (16 - size) / 2, (21 - size) / 2
+    theirs = np.asarray(image.crop((left, top, left + size, top + size)))
+    assert ours.shape == theirs.shape == (16, 16, 3)
+    assert np.abs(ours.astype(int) - theirs).mean() < 3
+    x = preprocess(jnp.asarray(smooth[None, :16, :16]), size)
+    np.testing.assert_allclose(x[0], smooth[:16, :16] / 127.5 - 1, atol=1e-6)  # no resize
+    assert np.array_equal(np.asarray(postprocess(x))[0], smooth[:16, :16])
+
+
+# ---------------------------------------------------------------------------------------------
+# Training: exact resume over 8 devices; the trained folder feeds the tokenizer tests
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(uninterrupted run, interrupted-and-resumed run) of the tiny preset, 3 steps on 8 devices
+    with the adversarial loss on (one compiled step: the switch is `test_step_phase`'s) and dead
+    codes restarted at step 2."""
+    root = tmp_path_factory.mktemp("vqgan")
+    overrides = ["train.steps=3", "loss.disc_start=0", "train.progress=false"]
+    overrides += ["train.eval_every=2", "train.save_every=100", "mesh.shape=1,-1,1,1"]
+    full = load_vqgan_config(TINY, [*overrides, f"train.output_dir={root / 'full'}"])
+    part = load_vqgan_config(TINY, [*overrides, f"train.output_dir={root / 'part'}"])
+    from vqgan.data import load_frames
+
+    source = load_frames(full)
+    train(full, source=source)
+    assert train(part, source=source, stop_at=1) == {}
+    assert not (root / "part" / "model.safetensors").exists()
+    train(part, source=source)  # resumes from the checkpoint at step 1
+    return root / "full", root / "part"
+
+
+def test_resume_equals_uninterrupted(trained: tuple[Path, Path]) -> None:
+    from safetensors.numpy import load_file
+
+    full, part = trained
+    a, b = load_file(full / "model.safetensors"), load_file(part / "model.safetensors")
+    assert set(a) == set(b) and all(np.array_equal(a[k], b[k]) for k in a)
+    rows = [json.loads(line) for line in (full / "metrics.jsonl").read_text().splitlines()]
+    train_rows = {r["step"]: r for r in rows if r["split"] == "train"}
+    assert all("d_loss" in r and "g_adv" in r for r in train_rows.values())
+    assert train_rows[3]["restarted"] > 0 and train_rows[2]["restarted"] == 0  # at step 2
+    assert [r["step"] for r in rows if r["split"] == "eval"] == [2, 3]
+    assert (full / "samples" / "step_000002.png").is_file() and (full / "eval.json").is_file()
+    assert list((full / "tb").glob("events.out.tfevents.*"))
+    assert sorted(p.name for p in (full / "checkpoints").iterdir() if p.name.isdigit()) == ["3"]
+
+
+def test_step_phase() -> None:
+    cfg = load_vqgan_config(TINY, ["loss.disc_start=5", "quantizer.restart_every=3"])
+    phases = [step_phase(cfg, s) for s in range(8)]
+    assert [a for a, _ in phases] == [False] * 5 + [True] * 3
+    assert [r for _, r in phases] == [False, False, False, True, False, False, True, False]
+    cfg = load_vqgan_config(TINY, ["loss.adversarial_weight=0", "quantizer.restart_until=4"])
+    assert [step_phase(cfg, s) for s in (2, 4, 6)] == [(False, True), (False, True), (False, False)]
+
+
+def test_tokenizer_batched_sharded_round_trip(trained: tuple[Path, Path]) -> None:
+    full, _ = trained
+    mesh = make_mesh("1,-1,1,1")  # 8 devices on fsdp
+    tok = load_tokenizer(full, mesh=mesh, batch_size=8)
+    assert (tok.resolution, tok.tokens_per_frame, tok.codebook_size) == (16, 64, 64)
+    rng = np.random.default_rng(0)
+    frames = rng.integers(0, 256, (2, 5, 24, 20, 3), dtype=np.uint8)  # 10 frames: 2 chunks, padded
+    codes = tok.encode(frames)
+    assert codes.shape == (2, 5, 8, 8) and codes.dtype == np.int32
+    assert codes.min() >= 0 and codes.max() < 64
+    decoded = tok.decode(codes)
+    assert decoded.shape == (2, 5, 16, 16, 3) and decoded.dtype == np.uint8
+    # Same codes as the unsharded model (one jitted call on all 10 frames).
+    model = load_model(full)
+    x = preprocess(jnp.asarray(frames.reshape(10, 24, 20, 3)), 16)
+    direct = np.asarray(nnx.jit(lambda m, x: m.encode(x).codes)(model, x)).reshape(2, 5, 8, 8)
+    assert np.array_equal(codes, direct)
+    # Chunking and padding do not change results: one video at a time gives the same.
+    assert np.array_equal(tok.decode(codes[1:]), decoded[1:])
+    assert np.array_equal(tok.encode(frames[:1]), codes[:1])
+    assert tok.encode(decoded).shape == codes.shape  # decoded frames are valid input
+    with pytest.raises(ValueError, match=r"codes must lie in \[0, 64\)"):
+        tok.decode(np.full((1, 1, 8, 8), 64))
+    with pytest.raises(ValueError, match="uint8 frames"):
+        tok.encode(frames.astype(np.float32))
+
+
+# ---------------------------------------------------------------------------------------------
+# LWM weights and the restricted unpickler
+
+
+def _res(rng: np.random.Generator, cin: int, cout: int) -> dict:
+    block = {
+        "GroupNorm_0": {"scale": rng.normal(size=cin), "bias": rng.normal(size=cin)},
+        "Conv_0": {"kernel": rng.normal(size=(3, 3, cin, cout)), "bias": rng.normal(size=cout)},
+        "GroupNorm_1": {"scale": rng.normal(size=cout), "bias": rng.normal(size=cout)},
+        "Conv_1": {"kernel": rng.normal(size=(3, 3, cout, cout)), "bias": rng.normal(size=cout)},
+    }
+    if cin != cout:
+        block["Conv_2"] = {
+            "kernel": rng.normal(size=(1, 1, cin, cout)),
+            "bias": rng.normal(size=cout),
+        }
+    return block
+
+
+def _conv(rng: np.random.Generator, k: int, cin: int, cout: int) -> dict:
+    return {"kernel": rng.normal(size=(k, k, cin, cout)), "bias": rng.normal(size=cout)}
+
+
+def _lwm_tree(seed: int = 0) -> dict:
+    """LWM's linen parameter names, written out by hand for channels 16 x (1, 2), one residual
+    block per level (two in the decoder), latent 8, codebook 32 x 8."""
+    rng = np.random.default_rng(seed)
+    gn = lambda c: {"scale": rng.normal(size=c), "bias": rng.normal(size=c)}  # noqa: E731
+    tree = {
+        "encoder": {
+            "Conv_0": _conv(rng, 3, 3, 16),
+            "DownsamplingBlock_0": {
+                "ResnetBlock_0": _res(rng, 16, 16),
+                "Downsample_0": {"Conv_0": _conv(rng, 3, 16, 16)},
+            },
+            "DownsamplingBlock_1": {"ResnetBlock_0": _res(rng, 16, 32)},
+            "MidBlock_0": {"ResnetBlock_0": _res(rng, 32, 32), "ResnetBlock_1": _res(rng, 32, 32)},
+            "GroupNorm_0": gn(32),
+            "Conv_1": _conv(rng, 3, 32, 8),
+        },
+        "decoder": {
+            "Conv_0": _conv(rng, 3, 8, 32),
+            "MidBlock_0": {"ResnetBlock_0": _res(rng, 32, 32), "ResnetBlock_1": _res(rng, 32, 32)},
+            # linen names the levels in creation order: the coarsest (level 1) first.
+            "UpsamplingBlock_0": {
+                "ResnetBlock_0": _res(rng, 32, 32),
+                "ResnetBlock_1": _res(rng, 32, 32),
+                "Upsample_0": {"Conv_0": _conv(rng, 3, 32, 32)},
+            },
+            "UpsamplingBlock_1": {
+                "ResnetBlock_0": _res(rng, 32, 16),
+                "ResnetBlock_1": _res(rng, 16, 16),
+            },
+            "GroupNorm_0": gn(16),
+            "Conv_1": _conv(rng, 3, 16, 3),
+        },
+        "quantize": {"embeddings": rng.normal(size=(32, 8))},
+        "quant_conv": _conv(rng, 1, 8, 8),
+        "post_quant_conv": _conv(rng, 1, 8, 8),
+    }
+    return jax.tree.map(lambda a: a.astype(np.float32), tree)
+
+
+LWM_TINY = dict(
+    resolution=16, hidden_channels=16, channel_mult=(1, 2), num_res_blocks=1, z_channels=8,
+    num_embeddings=32, embed_dim=8, num_groups=8,
+)  # fmt: skip
+
+
+def test_import_lwm_pickle(tmp_path: Path) -> None:
+    tree = _lwm_tree()
+    path = tmp_path / "vqgan.pkl"
+    path.write_bytes(pickle.dumps({"params": tree}, protocol=4))
+    loaded = load_legacy_pickle(path, allow_pickle=True)
+    model = import_lwm_params(loaded, VQGANModelConfig(**LWM_TINY), source=str(path))
+    dec = tree["decoder"]
+    np.testing.assert_array_equal(
+        model.decoder.up[0].res[0].shortcut.kernel[...],
+        dec["UpsamplingBlock_1"]["ResnetBlock_0"]["Conv_2"]["kernel"],
+    )
+    np.testing.assert_array_equal(
+        model.decoder.up[1].upsample.bias[...],
+        dec["UpsamplingBlock_0"]["Upsample_0"]["Conv_0"]["bias"],
+    )
+    np.testing.assert_array_equal(
+        model.encoder.down[0].downsample.kernel[...],
+        tree["encoder"]["DownsamplingBlock_0"]["Downsample_0"]["Conv_0"]["kernel"],
+    )
+    np.testing.assert_array_equal(model.quantizer.embeddings[...], tree["quantize"]["embeddings"])
+    back = export_lwm_params(model)
+    assert jax.tree.structure(back) == jax.tree.structure(tree)
+    assert all(
+        np.array_equal(a, b)
+        for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(tree), strict=True)
+    )
+    # Protocol 2 and 5 pickles (other numpy rebuild paths) load too.
+    for protocol in (2, 5):
+        path.write_bytes(pickle.dumps(tree, protocol=protocol))
+        again = load_legacy_pickle(path, allow_pickle=True)
+        np.testing.assert_array_equal(again["quant_conv"]["kernel"], tree["quant_conv"]["kernel"])
+    # A tree of another architecture is refused with the offending name.
+    del tree["decoder"]["UpsamplingBlock_0"]["Upsample_0"]
+    with pytest.raises(WeightsError, match="UpsamplingBlock_0/Upsample_0/Conv_0"):
+        import_lwm_params(tree, VQGANModelConfig(**LWM_TINY))
+
+
+class _Exploit:
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_restricted_unpickler_refuses_code(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    path = tmp_path / "evil.pkl"
+    path.write_bytes(pickle.dumps({"encoder": _Exploit(marker)}))
+    with pytest.raises(LegacyPickleError, match=r"references the global '(posix|os|nt)\.system'"):
+        load_legacy_pickle(path, allow_pickle=True)
+    assert not marker.exists()
+    with pytest.raises(LegacyPickleError, match="explicit opt-in"):
+        load_legacy_pickle(path)
+    path.write_bytes(pickle.dumps({"x": np.array([object()], dtype=object)[:0]}))
+    with pytest.raises(LegacyPickleError, match="builtins.object|object dtype"):
+        load_legacy_pickle(path, allow_pickle=True)
+
+
+def test_cli_import_and_refusal(tmp_path: Path) -> None:
+    pkl = tmp_path / "vqgan.pkl"
+    pkl.write_bytes(pickle.dumps(_lwm_tree(), protocol=4))
+    config = tmp_path / "lwm_tiny.yaml"
+    config.write_text(
+        "model:\n"
+        + "".join(f"  {k}: {list(v) if isinstance(v, tuple) else v}\n" for k, v in LWM_TINY.items())
+    )
+    env = dict(os.environ)
+
+    def lwm(*args: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "lwm", "vqgan", *args]
+        return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+    refused = lwm("import", str(pkl), "--out", str(tmp_path / "w"), "--config", str(config))
+    assert refused.returncode == 2 and "--allow-legacy-pickle" in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1 and not (tmp_path / "w").exists()
+    out = tmp_path / "w"
+    done = lwm(
+        "import", str(pkl), "--config", str(config), "--allow-legacy-pickle", "--out", str(out)
+    )
+    assert done.returncode == 0, done.stderr
+    assert (out / "model.safetensors").is_file() and (out / "config.yaml").is_file()
+    tok = load_tokenizer(out)
+    assert (tok.resolution, tok.tokens_per_frame, tok.codebook_size) == (16, 64, 32)
+    assert isinstance(load_vqgan_config(out / "config.yaml"), VQGANConfig)
