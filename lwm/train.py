@@ -110,9 +110,16 @@ def build_loader(cfg: Config, seq_len: int, layout: np.ndarray | None) -> Loader
         )
     from data.loader import TokenDatasetLoader  # the `lwm tokenize` datasets
 
-    return TokenDatasetLoader(
+    loader = TokenDatasetLoader(
         data.source, split=data.split, seed=data.shuffle_seed, pack=data.pack, **common
     )
+    vocab = int(loader.metadata["text_tokenizer"]["vocab_size"])
+    if vocab > cfg.model.text_vocab_size:
+        raise TrainingError(
+            f"dataset '{data.source}' was tokenized with a text vocabulary of {vocab} tokens, "
+            f"but model.text_vocab_size is {cfg.model.text_vocab_size}"
+        )
+    return loader
 
 
 # ----------------------------------------------------------------------------------------------

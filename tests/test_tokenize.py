@@ -268,3 +268,16 @@ def test_train_runs_on_a_tokenized_dataset(tmp_path, synthetic, vqgan_dir):
     logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged if "loss" in r][-1] == 2
     assert all(np.isfinite(r["loss"]) for r in logged if "loss" in r)
+
+
+def test_train_refuses_a_dataset_with_a_larger_text_vocabulary(
+    tmp_path, synthetic, vqgan_dir, capsys
+):
+    data = tmp_path / "tokens"
+    args = ["tokenize", "--input", str(synthetic), "--output", str(data), "--vqgan"]
+    assert lwm([*args, str(vqgan_dir), *FAST]) == 0
+    overrides = [f"data.source={data}", f"train.output_dir={tmp_path / 'run'}"]
+    overrides += ["model.text_vocab_size=256", "train.seq_len=512", "train.steps=1"]
+    assert lwm(["train", "--config", str(ROOT / "configs/tiny.yaml"), *overrides]) == 1
+    err = capsys.readouterr().err
+    assert "text vocabulary of 4096 tokens, but model.text_vocab_size is 256" in err
