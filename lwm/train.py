@@ -37,7 +37,14 @@ from lwm.attention.layout import zigzag_permutation
 from lwm.config import Config, DistributedConfig, config_to_yaml
 from lwm.info import flops_per_token
 from lwm.mesh import MeshError, check_batch_fits, make_mesh
-from lwm.train_step import abstract_train_state, batch_sharding, make_optimizer, train_step
+from lwm.runs import (
+    checkpoint_manager,
+    load_run,
+    optimizer_from_config,
+    restore_newest,
+    save_checkpoint,
+)
+from lwm.train_step import abstract_train_state, batch_sharding, train_step
 
 
 class TrainingError(RuntimeError):
@@ -123,73 +130,6 @@ def build_loader(cfg: Config, seq_len: int, layout: np.ndarray | None) -> Loader
 
 
 # ----------------------------------------------------------------------------------------------
-# checkpoints
-
-
-def _checkpoint_manager(directory: Path, cfg: Config):
-    import orbax.checkpoint as ocp
-
-    options = ocp.CheckpointManagerOptions(
-        max_to_keep=cfg.train.max_to_keep,
-        enable_async_checkpointing=cfg.train.async_save,
-        create=True,
-    )
-    return ocp.CheckpointManager(directory.absolute(), options=options)
-
-
-def _save(manager, step: int, params, opt_state, meta: dict) -> None:
-    import orbax.checkpoint as ocp
-
-    manager.save(
-        step,
-        args=ocp.args.Composite(
-            state=ocp.args.StandardSave({"params": params, "opt_state": opt_state}),
-            meta=ocp.args.JsonSave(meta),
-        ),
-        force=True,
-    )
-
-
-def _restore_newest(manager, abstract_state: dict, log) -> tuple[int, dict, dict] | None:
-    """The newest checkpoint that restores. Damaged ones are reported and renamed
-    ``STEP.damaged`` (kept for inspection, out of the way of the steps about to be redone)."""
-
-    damaged: list[int] = []
-    try:
-        return _first_restorable(manager, abstract_state, log, damaged)
-    finally:
-        if damaged:
-            if jax.process_index() == 0:
-                root = Path(manager.directory)
-                for step in damaged:
-                    (root / str(step)).rename(root / f"{step}.damaged-{int(time.time())}")
-            manager.reload()
-
-
-def _first_restorable(manager, abstract_state, log, damaged: list[int]):
-    import orbax.checkpoint as ocp
-
-    for step in sorted(manager.all_steps(), reverse=True):
-        try:
-            restored = manager.restore(
-                step,
-                args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()
-                ),
-            )
-        except Exception as e:  # orbax raises many types for a truncated or missing file
-            reason = " ".join(str(e).split())[:300]
-            log(
-                f"checkpoint {step} cannot be restored ({type(e).__name__}: {reason}); "
-                "trying the previous one"
-            )
-            damaged.append(step)
-            continue
-        return step, restored["state"], restored["meta"]
-    return None
-
-
-# ----------------------------------------------------------------------------------------------
 # metrics
 
 
@@ -254,23 +194,13 @@ def train(cfg: Config, *, log=None) -> TrainResult:
         layout = zigzag_permutation(seq_len, sp)
 
     output = Path(tc.output_dir)
-    tx, schedule = make_optimizer(
-        tc.learning_rate,
-        warmup_steps=tc.warmup_steps,
-        total_steps=tc.steps,
-        schedule=tc.schedule,
-        end_learning_rate=tc.end_learning_rate,
-        weight_decay=tc.weight_decay,
-        b1=tc.b1,
-        b2=tc.b2,
-        clip_norm=tc.clip_norm,
-    )
+    tx, schedule = optimizer_from_config(tc)
     graphdef, abs_params, abs_opt = abstract_train_state(model_cfg, mesh, tx)
     shardings = jax.tree.map(lambda x: x.sharding, {"params": abs_params, "opt_state": abs_opt})
     loader = build_loader(cfg, seq_len, layout)
-    manager = _checkpoint_manager(output / "checkpoints", cfg)
+    manager = checkpoint_manager(output / "checkpoints", cfg)
 
-    resumed = _restore_newest(manager, {"params": abs_params, "opt_state": abs_opt}, log)
+    resumed = restore_newest(manager, {"params": abs_params, "opt_state": abs_opt}, log)
     if resumed is not None:
         start, state, meta = resumed
         params, opt_state = state["params"], state["opt_state"]
@@ -278,15 +208,7 @@ def train(cfg: Config, *, log=None) -> TrainResult:
         log(f"resumed from checkpoint {start} in {output / 'checkpoints'}")
     else:
         start = 0
-        params = _initial_params(
-            cfg,
-            model_cfg,
-            mesh,
-            abs_params,
-            abs_opt,
-            lambda d: _checkpoint_manager(d, cfg),
-            log,
-        )
+        params = _initial_params(cfg, model_cfg, mesh, log)
         opt_state = jax.jit(tx.init, out_shardings=shardings["opt_state"])(params)
     if start >= tc.steps:
         log(f"nothing to do: checkpoint {start} already reaches train.steps={tc.steps}")
@@ -382,7 +304,9 @@ def train(cfg: Config, *, log=None) -> TrainResult:
             save_now = step % tc.save_every == 0 or step == tc.steps
             if stop["signal"] is not None or save_now:
                 check(step)
-                _save(manager, step, params, opt_state, {"step": step, "loader": loader.state()})
+                save_checkpoint(
+                    manager, step, params, opt_state, {"step": step, "loader": loader.state()}
+                )
                 last_good_save = step
             if stop["signal"] is not None:
                 stopped_by = stop["signal"]
@@ -403,7 +327,7 @@ def train(cfg: Config, *, log=None) -> TrainResult:
     return TrainResult(step=step, stopped_by=stopped_by)
 
 
-def _initial_params(cfg, model_cfg, mesh, abs_params, abs_opt, manager_for, log):
+def _initial_params(cfg, model_cfg, mesh, log):
     """Fresh sharded parameters, or those of ``train.init_from``: ``run:DIR`` (the newest
     checkpoint of an earlier `lwm train` run, e.g. the previous context stage), or any source
     `lwm.weights.load_model` takes (``hf:``, ``lwm:``/``params::``, ``orbax:``)."""
@@ -414,15 +338,8 @@ def _initial_params(cfg, model_cfg, mesh, abs_params, abs_opt, manager_for, log)
         return nnx.state(create_model(model_cfg, mesh=mesh, seed=cfg.seed), nnx.Param)
     log(f"initialising from {source}")
     if source.startswith("run:"):
-        run_dir = Path(source[4:]) / "checkpoints"
-        if not run_dir.is_dir():
-            raise FileNotFoundError(f"init_from: no checkpoints in '{run_dir}'")
-        manager = manager_for(run_dir)
-        found = _restore_newest(manager, {"params": abs_params, "opt_state": abs_opt}, log)
-        manager.close()
-        if found is None:
-            raise TrainingError(f"init_from: no checkpoint in '{run_dir}' can be restored")
-        return found[1]["params"]
+        _, model = load_run(source[4:], mesh=mesh, log=log)
+        return nnx.state(model, nnx.Param)
     from lwm.weights import load_model
 
     return nnx.state(load_model(source, model_cfg, mesh=mesh), nnx.Param)

@@ -3,11 +3,13 @@
     model = load_model("hf:Llama-2-7b-hf", cfg, mesh=mesh)       # Hugging Face LLaMA folder
     model = load_model("params::/ckpt/LWM-Chat-1M-Jax/params", cfg, mesh=mesh)   # LWM / tux
     model = load_model("orbax:ckpt/params", cfg, mesh=mesh)      # our own checkpoints
+    model = load_model("run:runs/tiny", cfg, mesh=mesh)          # an `lwm train` run (newest)
     model = load_model("ckpt/params", cfg)                       # format detected from the path
 
 Prefixes: ``hf:``, ``lwm:`` (or LWM's own ``params::``, ``trainstate_params::``,
-``trainstate::``), ``orbax:``. Without one, a folder with ``config.json`` is Hugging Face, a
-folder with orbax metadata is orbax, and a file is an LWM streaming checkpoint.
+``trainstate::``), ``orbax:``, ``run:``. Without one, a folder with ``config.json`` is Hugging
+Face, a folder with ``config.yaml`` and ``checkpoints/`` is a training run, a folder with
+orbax metadata is orbax, and a file is an LWM streaming checkpoint.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from flax import nnx
 from jax.sharding import Mesh
 
 from lwm.config import ModelConfig
@@ -38,7 +41,7 @@ __all__ = [
     "save_params",
 ]
 
-FORMATS = ("hf", "lwm", "orbax")
+FORMATS = ("hf", "lwm", "orbax", "run")
 _LWM_LOAD_TYPES = ("params::", "trainstate_params::", "trainstate::")
 
 
@@ -57,6 +60,8 @@ def detect_format(source: str | os.PathLike) -> tuple[str, str]:
         return "lwm", text
     if (path / "config.json").is_file():
         return "hf", text
+    if (path / "config.yaml").is_file() and (path / "checkpoints").is_dir():
+        return "run", text
     if is_orbax_checkpoint(path):
         return "orbax", text
     raise WeightsError(
@@ -73,4 +78,22 @@ def load_model(source: str | os.PathLike, cfg: ModelConfig, mesh: Mesh | None = 
         return load_hf_llama(location, cfg, mesh)
     if fmt == "orbax":
         return load_params(location, cfg, mesh)
+    if fmt == "run":
+        from lwm.runs import load_run
+
+        run_cfg, model = load_run(location, mesh=mesh)
+        _check_same_shapes(run_cfg.model, cfg, location)
+        # The run's weights under the config asked for (e.g. a longer context, a new theta).
+        graphdef = nnx.graphdef(nnx.eval_shape(lambda: LWMModel(cfg, rngs=nnx.Rngs(0), mesh=mesh)))
+        return nnx.merge(graphdef, nnx.state(model))
     return load_lwm_streaming(location, cfg, mesh)
+
+
+def _check_same_shapes(found: ModelConfig, wanted: ModelConfig, where: str) -> None:
+    """A run's model may differ in sequence length or rope theta (context stages), not shape."""
+    from lwm.info import param_specs
+
+    if param_specs(found) != param_specs(wanted):
+        raise WeightsError(
+            f"the model of run '{where}' has other parameter shapes than the config asks for"
+        )

@@ -1,0 +1,144 @@
+"""Training runs on disk: ``OUTPUT/config.yaml`` (the resolved config) and
+``OUTPUT/checkpoints/STEP`` (orbax: parameters, AdamW state, and JSON metadata with the step
+and the data loader's position).
+
+`load_run` gives back the model of a run's newest restorable checkpoint, for the next context
+stage (``train.init_from=run:DIR``), for inference, or for `lwm.weights.load_model`.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+from lwm.config import Config, TrainConfig, load_config
+from lwm.model import LWMModel
+from lwm.train_step import abstract_train_state, make_optimizer
+
+Log = Callable[[str], None]
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def optimizer_from_config(tc: TrainConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    return make_optimizer(
+        tc.learning_rate,
+        warmup_steps=tc.warmup_steps,
+        total_steps=tc.steps,
+        schedule=tc.schedule,
+        end_learning_rate=tc.end_learning_rate,
+        weight_decay=tc.weight_decay,
+        b1=tc.b1,
+        b2=tc.b2,
+        clip_norm=tc.clip_norm,
+    )
+
+
+def checkpoint_manager(directory: Path, cfg: Config):
+    import orbax.checkpoint as ocp
+
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=cfg.train.max_to_keep,
+        enable_async_checkpointing=cfg.train.async_save,
+        create=True,
+    )
+    return ocp.CheckpointManager(Path(directory).absolute(), options=options)
+
+
+def save_checkpoint(manager, step: int, params, opt_state, meta: dict) -> None:
+    import orbax.checkpoint as ocp
+
+    manager.save(
+        step,
+        args=ocp.args.Composite(
+            state=ocp.args.StandardSave({"params": params, "opt_state": opt_state}),
+            meta=ocp.args.JsonSave(meta),
+        ),
+        force=True,
+    )
+
+
+def restore_newest(manager, abstract_state: dict, log: Log = _stderr):
+    """``(step, state, meta)`` of the newest checkpoint that restores, or None. Damaged ones
+    are reported and renamed ``STEP.damaged-TIME`` (kept for inspection, out of the way of the
+    steps about to be redone)."""
+    damaged: list[int] = []
+    try:
+        return _first_restorable(manager, abstract_state, log, damaged)
+    finally:
+        if damaged:
+            if jax.process_index() == 0:
+                root = Path(manager.directory)
+                for step in damaged:
+                    (root / str(step)).rename(root / f"{step}.damaged-{int(time.time())}")
+            manager.reload()
+
+
+def _first_restorable(manager, abstract_state, log: Log, damaged: list[int]):
+    import orbax.checkpoint as ocp
+
+    for step in sorted(manager.all_steps(), reverse=True):
+        try:
+            restored = manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()
+                ),
+            )
+        except Exception as e:  # orbax raises many types for a truncated or missing file
+            reason = " ".join(str(e).split())[:300]
+            log(
+                f"checkpoint {step} cannot be restored ({type(e).__name__}: {reason}); "
+                "trying the previous one"
+            )
+            damaged.append(step)
+            continue
+        return step, restored["state"], restored["meta"]
+    return None
+
+
+def load_run(
+    run_dir: str | Path, *, mesh: Mesh | None = None, log: Log = _stderr
+) -> tuple[Config, LWMModel]:
+    """The config and model of the newest restorable checkpoint of an `lwm train` run.
+
+    The optimizer state is restored too (its structure comes from the run's own config) and
+    dropped. With ``mesh`` the parameters land in its shardings; without, on one device.
+    """
+    run_dir = Path(run_dir)
+    config_file, checkpoints = run_dir / "config.yaml", run_dir / "checkpoints"
+    if not config_file.is_file() or not checkpoints.is_dir():
+        raise FileNotFoundError(
+            f"'{run_dir}' is not an lwm train run (expected config.yaml and checkpoints/)"
+        )
+    cfg = load_config(config_file)
+    if mesh is None:
+        from lwm.mesh import make_mesh
+
+        mesh_for_restore = make_mesh("1,1,1,1", devices=jax.devices()[:1])
+    else:
+        mesh_for_restore = mesh
+    tx, _ = optimizer_from_config(cfg.train)
+    graphdef, abs_params, abs_opt = abstract_train_state(cfg.model, mesh_for_restore, tx)
+    manager = checkpoint_manager(checkpoints, cfg)
+    try:
+        found = restore_newest(manager, {"params": abs_params, "opt_state": abs_opt}, log)
+    finally:
+        manager.close()
+    if found is None:
+        raise FileNotFoundError(f"no checkpoint in '{checkpoints}' can be restored")
+    step, state, _ = found
+    log(f"loaded {run_dir} at step {step}")
+    model = nnx.merge(graphdef, state["params"])
+    if mesh is None:
+        model.mesh = None
+    return cfg, model
