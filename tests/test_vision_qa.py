@@ -1,0 +1,35 @@
+"""Inference prompts match what training saw; lwm ask reports bad input clearly."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from data.tokens import TextCodec, build_example
+from lwm.cli import main as lwm
+from lwm.vision_qa import qa_prompt_streams
+
+
+def test_qa_prompt_is_the_context_of_a_training_record():
+    codec = TextCodec.load()
+    codes = np.random.default_rng(0).integers(0, 512, (3, 4, 4))
+    question, answer = "What colour is the square?", "red"
+    record = build_example(codec, codes, qa=[{"question": question, "answer": answer}])
+    tokens, vision = qa_prompt_streams(codec, codes, question)
+    n = len(tokens)
+    assert record["tokens"][:n].tolist() == tokens.tolist()
+    assert record["vision_mask"][:n].tolist() == vision.tolist()
+    # Everything in the prompt is context; the answer right after it is what training teaches.
+    assert not record["loss_mask"][:n].any() and record["loss_mask"][n:].all()
+    assert (
+        codec.tokenizer.decode(record["tokens"][n:].tolist(), skip_special_tokens=True).strip()
+        == answer
+    )
+    assert vision.sum() == 3 * (16 + 1)
+
+
+def test_ask_without_questions_is_one_clear_error(tmp_path, capsys):
+    code = lwm(["ask", "--model", f"run:{tmp_path}", "--vqgan", str(tmp_path)])
+    assert code == 2
+    assert capsys.readouterr().err.strip() == (
+        "lwm ask: error: give --video and --question, or --manifest"
+    )
