@@ -183,6 +183,21 @@ def test_preprocess_as_lwm() -> None:
     assert np.array_equal(np.asarray(postprocess(x))[0], smooth[:16, :16])
 
 
+def test_training_frames_from_manifest_mp4s(tmp_path: Path) -> None:
+    from data.synthetic import write_dataset
+    from vqgan.data import load_frames
+
+    manifest = write_dataset(tmp_path, count=3, seed=2, size=32, num_frames=4)
+    cfg = load_vqgan_config(TINY, ["data.source=manifest", f"data.manifest={manifest}"])
+    source = load_frames(cfg)  # decord-read MP4s, resized 32 -> 16; the last video held out
+    assert source.train.shape == (8, 16, 16, 3) and source.eval.shape == (4, 16, 16, 3)
+    assert source.train.dtype == np.uint8
+    batch = source.batch(step=5, batch_size=6)
+    assert batch.shape == (6, 16, 16, 3) and np.array_equal(batch, source.batch(5, 6))
+    with pytest.raises(ConfigError, match="data.manifest is not set"):
+        load_vqgan_config(TINY, ["data.source=manifest"])
+
+
 # ---------------------------------------------------------------------------------------------
 # Training: exact resume over 8 devices; the trained folder feeds the tokenizer tests
 
