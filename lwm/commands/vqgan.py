@@ -125,6 +125,9 @@ def _decode(args: argparse.Namespace) -> int:
     from data.video_io import VideoError, write_mp4, write_png
     from vqgan import load_tokenizer
 
+    out = Path(args.out)
+    if out.suffix.lower() not in (".png", ".mp4"):
+        raise VideoError(f"--out '{out}': expected a .mp4 or .png file name")
     path = Path(args.codes)
     if not path.is_file():
         raise FileNotFoundError(f"codes file '{path}' not found")
@@ -138,13 +141,10 @@ def _decode(args: argparse.Namespace) -> int:
         frames = tok.decode(codes)
     except ValueError as e:
         raise VideoError(f"'{path}': {e}") from None
-    out = Path(args.out)
     if out.suffix.lower() == ".png":
         write_png(out, np.concatenate([np.concatenate(list(v), axis=1) for v in frames], axis=0))
-    elif out.suffix.lower() == ".mp4":
-        write_mp4(out, frames[0], fps=args.fps)
     else:
-        raise VideoError(f"--out '{out}': expected a .mp4 or .png file name")
+        write_mp4(out, frames[0], fps=args.fps)
     print(f"wrote {out} ({frames.shape[1]} frames {frames.shape[2]}x{frames.shape[3]})")
     return 0
 
