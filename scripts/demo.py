@@ -54,7 +54,7 @@ def main() -> int:
     p.add_argument("--videos", type=int, default=160, help="training videos")
     p.add_argument("--held-out", type=int, default=16, help="videos to ask questions about")
     p.add_argument("--frames", type=int, default=8, help="frames per video")
-    p.add_argument("--vqgan-steps", type=int, default=300)
+    p.add_argument("--vqgan-steps", type=int, default=500)
     p.add_argument("--lm-steps", type=int, default=150)
     p.add_argument("--mesh", default="1,2,4,1", help="dp,fsdp,sp,tp of the world model")
     args = p.parse_args()
@@ -98,6 +98,7 @@ def main() -> int:
             *lwm,
             "vqgan",
             "train",
+            "--config",
             "configs/vqgan/small.yaml",
             f"train.output_dir={vqgan}",
             f"train.steps={args.vqgan_steps}",

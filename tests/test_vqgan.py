@@ -48,7 +48,7 @@ def _tiny_model_cfg(**update) -> VQGANModelConfig:
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
 def test_presets_load(path: Path) -> None:
     cfg = load_vqgan_config(path)
-    assert path.read_text().startswith(f"# lwm vqgan train configs/vqgan/{path.name}\n")
+    assert path.read_text().startswith(f"# lwm vqgan train --config configs/vqgan/{path.name}\n")
     assert cfg.model.tokens_per_frame == cfg.model.codes_per_side**2
 
 

@@ -1,7 +1,7 @@
 """VQGAN training: reconstruction + codebook/commitment losses, a PatchGAN hinge loss from
 ``loss.disc_start`` on, dead-code restarts, data parallel over the mesh's batch axes.
 
-    lwm vqgan train configs/vqgan/small.yaml train.steps=2000
+    lwm vqgan train --config configs/vqgan/small.yaml train.steps=2000
 
 Writes into ``train.output_dir``: ``config.yaml``; ``checkpoints/`` (orbax; a rerun resumes from
 the latest exactly: batches and random keys are functions of the step); ``metrics.jsonl`` and

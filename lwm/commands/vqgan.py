@@ -1,6 +1,6 @@
 """The VQGAN video tokenizer: train it, tokenize a video, look at codes, import LWM's weights.
 
-  lwm vqgan train configs/vqgan/small.yaml [KEY=VALUE ...]
+  lwm vqgan train --config configs/vqgan/small.yaml [KEY=VALUE ...]
   lwm vqgan encode VIDEO --checkpoint runs/vqgan_small [--out codes.npy] [--max-frames N]
   lwm vqgan decode codes.npy --checkpoint runs/vqgan_small --out video.mp4   (or .png)
   lwm vqgan import vqgan.pkl --out weights/lwm_vqgan --allow-legacy-pickle
@@ -25,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="subcommand", required=True, metavar="SUBCOMMAND")
 
     p = sub.add_parser("train", help="train a VQGAN (resumes from the output folder's checkpoint)")
-    p.add_argument("config", help="YAML config, e.g. configs/vqgan/small.yaml")
+    p.add_argument("--config", required=True, help="YAML config, e.g. configs/vqgan/small.yaml")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. train.steps=100")
     _SUBPARSERS["train"] = p
 
