@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from lwm.config import MeshConfig, load_config
+from lwm.config import MeshConfig, PositiveFloat, PositiveInt, load_config
 
 __all__ = [
     "DataConfig",
@@ -25,8 +25,6 @@ __all__ = [
     "load_vqgan_config",
 ]
 
-PositiveInt = Annotated[int, Field(gt=0)]
-PositiveFloat = Annotated[float, Field(gt=0)]
 NonNegFloat = Annotated[float, Field(ge=0)]
 NonNegInt = Annotated[int, Field(ge=0)]
 DType = Literal["float32", "bfloat16", "float16"]

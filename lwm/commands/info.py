@@ -9,21 +9,12 @@ from __future__ import annotations
 
 import argparse
 
+from lwm.commands import positive_int
 from lwm.config import Config, config_to_yaml, load_config
 from lwm.info import flops_per_token, memory_per_device, param_counts
 from lwm.mesh import MESH_AXES, make_mesh, mesh_axis_sizes, parse_mesh_shape
 
 GIB = 1024**3
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--devices",
-        type=_positive_int,
+        type=positive_int,
         metavar="N",
         help="plan for a mesh of N devices without having them (default: the devices JAX sees)",
     )

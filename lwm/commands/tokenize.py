@@ -20,35 +20,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
+from lwm.commands import non_negative_int, positive_float, positive_int
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,32 +32,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="Hugging Face tokenizer folder (default: the project's data/tokenizer)",
     )
-    parser.add_argument("--fps", type=_positive_float, help="sample frames at this rate")
+    parser.add_argument("--fps", type=positive_float, help="sample frames at this rate")
     parser.add_argument(
-        "--max-frames", type=_positive_int, metavar="N", help="at most N evenly spaced frames"
+        "--max-frames", type=positive_int, metavar="N", help="at most N evenly spaced frames"
     )
     parser.add_argument(
         "--min-frames",
-        type=_positive_int,
+        type=positive_int,
         default=1,
         metavar="N",
         help="a video with fewer frames (after sampling) is a failure (default 1)",
     )
     parser.add_argument(
         "--workers",
-        type=_non_negative_int,
+        type=non_negative_int,
         default=2,
         help="decoding processes (0: decode in the main process; default 2)",
     )
     parser.add_argument(
         "--batch-frames",
-        type=_positive_int,
+        type=positive_int,
         default=64,
         help="frames per VQGAN encode batch (default 64)",
     )
     parser.add_argument(
         "--chunk-size",
-        type=_positive_int,
+        type=positive_int,
         default=256,
         help="items per resumable chunk and output shard (default 256)",
     )
