@@ -12,8 +12,6 @@ shapes and logical axes come from the one table in `lwm.info.param_specs`.
 
 from __future__ import annotations
 
-from functools import partial
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -154,22 +152,7 @@ class LWMModel(nnx.Module):
         if self.mesh is None:
             return blockwise_attention(q, k, v, **kw, **blocks)
         # Blockwise on a mesh: each device attends its batch/head slice over the whole sequence.
-        batch, heads = logical_to_spec(("batch",))[0], logical_to_spec(("act_heads",))[0]
-        x_spec, t_spec = P(batch, None, heads, None), P(batch, None)
-        fn = partial(blockwise_attention, **blocks)
-        args = [q, k, v, positions, positions]
-        specs = [x_spec, x_spec, x_spec, t_spec, t_spec]
-        if segment_ids is not None:
-            args += [segment_ids, segment_ids]
-            specs += [t_spec, t_spec]
-
-        def local(q, k, v, qp, kp, *segs):
-            qs, ks = segs if segs else (None, None)
-            return fn(q, k, v, q_positions=qp, kv_positions=kp, q_segment_ids=qs, kv_segment_ids=ks)
-
-        return jax.shard_map(
-            local, mesh=self.mesh, in_specs=tuple(specs), out_specs=x_spec, check_vma=True
-        )(*args)
+        return ring_attention(q, k, v, mesh=self.mesh, axis_name=None, **kw, **blocks)
 
     # -- the block --------------------------------------------------------------------------
 

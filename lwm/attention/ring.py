@@ -28,7 +28,7 @@ def ring_attention_local(
     k: jax.Array,
     v: jax.Array,
     *,
-    axis_name: str = "sp",
+    axis_name: str | None = "sp",
     causal: bool = True,
     q_positions: jax.Array | None = None,
     kv_positions: jax.Array | None = None,
@@ -39,19 +39,21 @@ def ring_attention_local(
     scale: float | None = None,
     precision: lax.Precision | None = None,
 ) -> jax.Array:
-    """Ring attention on local shards; call inside `jax.shard_map` with ``axis_name`` bound.
+    """Ring attention on local shards; call inside `jax.shard_map` with ``axis_name`` bound
+    (``axis_name=None``: the whole sequence is local, i.e. blockwise attention).
 
     Arguments are this device's shards (``[batch, seq/sp, heads, head_dim]``, positions
     ``[batch, seq/sp]``). Positions default to the contiguous layout (shard i holds tokens
     ``i*len .. (i+1)*len-1``); pass the permuted positions when using zigzag or striped layouts.
     """
     b, s_local = q.shape[0], q.shape[1]
+    ring = axis_name is not None and lax.axis_size(axis_name) > 1
     if q_positions is None or kv_positions is None:
-        offset = lax.axis_index(axis_name) * s_local
+        offset = lax.axis_index(axis_name) * s_local if axis_name is not None else 0
         default = offset + jnp.broadcast_to(jnp.arange(s_local, dtype=jnp.int32), (b, s_local))
         q_positions = default if q_positions is None else q_positions
         kv_positions = default if kv_positions is None else kv_positions
-    if lax.axis_size(axis_name) > 1:
+    if ring:
         block_q, block_k = ring_block_size(s_local, block_q), ring_block_size(k.shape[1], block_k)
     args, spec = prepare_inputs(
         q,
@@ -103,23 +105,24 @@ def ring_attention(
     kv_segment_ids: jax.Array | None = None,
     block_q: int = 512,
     block_k: int = 512,
-    axis_name: str = "sp",
+    axis_name: str | None = "sp",
     batch_axes: str | Sequence[str] | None = ("dp", "fsdp"),
     head_axis: str | None = "tp",
     scale: float | None = None,
     precision: lax.Precision | None = None,
 ) -> jax.Array:
-    """Ring attention on global arrays: sequence over ``axis_name``, batch over ``batch_axes``,
+    """Ring attention on global arrays: sequence over ``axis_name`` (None: not sharded, so
+    plain blockwise attention on each batch/head shard), batch over ``batch_axes``,
     heads over ``head_axis`` (axes missing from the mesh are ignored). Same semantics as
     `dense_attention` on the same (possibly permuted) token order."""
     check_qkv(q, k, v)
-    if axis_name not in mesh.axis_names:
+    if axis_name is not None and axis_name not in mesh.axis_names:
         raise ValueError(
             f"ring attention axis '{axis_name}' is not in the mesh axes {mesh.axis_names}"
         )
     batch_axes = _present(mesh, batch_axes)
     head_axis = _present(mesh, head_axis)
-    sp = mesh.shape[axis_name]
+    sp = 1 if axis_name is None else mesh.shape[axis_name]
     b, s, h, _ = q.shape
     for what, size, parts, axes in (
         ("sequence length", s, sp, axis_name),
