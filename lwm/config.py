@@ -66,6 +66,7 @@ class ModelConfig(BaseModel):
     remat_policy: RematPolicy = "nothing_saveable"
     scan_layers: bool = True
     mlp_chunk_size: Annotated[int, Field(ge=0)] = 0  # 0 = unchunked
+    logits_chunk_size: Annotated[int, Field(ge=0)] = 0  # loss: tokens per logits chunk, 0 = all
     tie_word_embeddings: bool = False
     tie_vision_embeddings: bool = False
     initializer_range: PositiveFloat = 0.02

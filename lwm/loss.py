@@ -69,6 +69,47 @@ def target_counts(targets: Targets) -> tuple[jax.Array, jax.Array]:
     return jnp.sum(targets.weight) - jnp.sum(vision), jnp.sum(vision)
 
 
+def loss_sums(text_logits: jax.Array, vision_logits: jax.Array, targets: Targets) -> dict:
+    """Summed cross-entropy, correct predictions and target counts per modality: additive
+    over any split of the positions (chunks of the sequence, micro-batches)."""
+    text_w = targets.weight * (~targets.is_vision)
+    vision_w = targets.weight * targets.is_vision
+    t_nll, t_correct, t_n = _cross_entropy(text_logits, targets.tokens, text_w)
+    v_nll, v_correct, v_n = _cross_entropy(vision_logits, targets.tokens, vision_w)
+    return {
+        "t_nll": t_nll,
+        "t_correct": t_correct,
+        "t_n": t_n,
+        "v_nll": v_nll,
+        "v_correct": v_correct,
+        "v_n": v_n,
+    }
+
+
+def loss_from_sums(
+    sums: dict,
+    *,
+    text_weight: float = 0.5,
+    vision_weight: float = 0.5,
+    counts: tuple[jax.Array, jax.Array] | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The modality-balanced loss and metrics from `loss_sums` (see `lwm_loss`)."""
+    t_den, v_den = (sums["t_n"], sums["v_n"]) if counts is None else counts
+    t_den, v_den = jnp.maximum(t_den, 1.0), jnp.maximum(v_den, 1.0)
+    text_loss, vision_loss = sums["t_nll"] / t_den, sums["v_nll"] / v_den
+    loss = text_weight * text_loss + vision_weight * vision_loss
+    metrics = {
+        "loss": loss,
+        "text_loss": text_loss,
+        "vision_loss": vision_loss,
+        "text_accuracy": sums["t_correct"] / t_den,
+        "vision_accuracy": sums["v_correct"] / v_den,
+        "text_tokens": sums["t_n"],
+        "vision_tokens": sums["v_n"],
+    }
+    return loss, metrics
+
+
 def lwm_loss(
     text_logits: jax.Array,
     vision_logits: jax.Array,
@@ -85,21 +126,9 @@ def lwm_loss(
     accumulation passes the whole batch's counts, so the micro-batch losses sum exactly to
     the whole batch's loss. Metrics: the two losses, the two accuracies, the target counts.
     """
-    text_w = targets.weight * (~targets.is_vision)
-    vision_w = targets.weight * targets.is_vision
-    t_nll, t_correct, t_n = _cross_entropy(text_logits, targets.tokens, text_w)
-    v_nll, v_correct, v_n = _cross_entropy(vision_logits, targets.tokens, vision_w)
-    t_den, v_den = (t_n, v_n) if counts is None else counts
-    t_den, v_den = jnp.maximum(t_den, 1.0), jnp.maximum(v_den, 1.0)
-    text_loss, vision_loss = t_nll / t_den, v_nll / v_den
-    loss = text_weight * text_loss + vision_weight * vision_loss
-    metrics = {
-        "loss": loss,
-        "text_loss": text_loss,
-        "vision_loss": vision_loss,
-        "text_accuracy": t_correct / t_den,
-        "vision_accuracy": v_correct / v_den,
-        "text_tokens": t_n,
-        "vision_tokens": v_n,
-    }
-    return loss, metrics
+    return loss_from_sums(
+        loss_sums(text_logits, vision_logits, targets),
+        text_weight=text_weight,
+        vision_weight=vision_weight,
+        counts=counts,
+    )

@@ -291,6 +291,34 @@ class LWMModel(nnx.Module):
             out.append(self._constrain(y, "batch", "length", "act_vocab"))
         return out[0], out[1]
 
+    def chunked_loss_sums(self, hidden: jax.Array, targets) -> dict:
+        """`lwm.loss.loss_sums` computed chunk by chunk, so only one chunk's text and vision
+        logits (``[batch, logits_chunk_size, vocab]``, float32) exist at a time, in the
+        forward and, recomputed, in the backward pass. Token j goes to chunk j % chunks, so
+        every chunk keeps the sequence sharding."""
+        from lwm.loss import Targets, loss_sums
+
+        b, s, d = hidden.shape
+        chunks = max(s // self.cfg.logits_chunk_size, 1)
+        if s % chunks:
+            raise ValueError(f"sequence length {s} is not divisible into {chunks} logits chunks")
+
+        def split(x):
+            return jnp.moveaxis(x.reshape(b, s // chunks, chunks, *x.shape[2:]), 2, 0)
+
+        @jax.checkpoint
+        def one(carry, xs):
+            h, t = xs
+            text, vision = self.logits(h)
+            return jax.tree.map(jnp.add, carry, loss_sums(text, vision, Targets(*t))), None
+
+        zero = {
+            k: jnp.zeros((), jnp.float32)
+            for k in ("t_nll", "t_correct", "t_n", "v_nll", "v_correct", "v_n")
+        }
+        sums, _ = jax.lax.scan(one, zero, (split(hidden), tuple(split(x) for x in targets)))
+        return sums
+
     def __call__(
         self,
         tokens: jax.Array,

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from data.batches import BATCH_FIELDS
 from lwm.config import ModelConfig
-from lwm.loss import Targets, lwm_loss, target_counts
+from lwm.loss import Targets, loss_from_sums, loss_sums, target_counts
 from lwm.mesh import logical_to_spec
 from lwm.model import LWMModel, state_shardings
 
@@ -72,17 +72,13 @@ def loss_fn(
     counts: tuple[jax.Array, jax.Array] | None = None,
 ):
     model: LWMModel = nnx.merge(graphdef, params)
-    text, vision = model(
-        batch["tokens"], batch["vision_mask"], batch["positions"], batch["segment_ids"]
-    )
-    return lwm_loss(
-        text,
-        vision,
-        _targets(batch),
-        text_weight=weights[0],
-        vision_weight=weights[1],
-        counts=counts,
-    )
+    targets = _targets(batch)
+    inputs = (batch["tokens"], batch["vision_mask"], batch["positions"], batch["segment_ids"])
+    if model.cfg.logits_chunk_size:
+        sums = model.chunked_loss_sums(model.hidden_states(*inputs), targets)
+    else:
+        sums = loss_sums(*model(*inputs), targets)
+    return loss_from_sums(sums, text_weight=weights[0], vision_weight=weights[1], counts=counts)
 
 
 def _targets(batch: dict) -> Targets:

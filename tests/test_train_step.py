@@ -60,3 +60,34 @@ def test_train_step_compiles_from_abstract_sharded_state():
     args = compiled.memory_analysis().argument_size_in_bytes
     # Arguments are the sharded parameters, AdamW moments and batch: nothing replicated.
     assert args <= 1.1 * (planned.params + planned.optimizer + batch_bytes) + 4096, (args, planned)
+
+
+def test_chunked_logits_loss_equals_full_logits_loss():
+    """logits_chunk_size computes the same loss and gradients without all logits at once."""
+    import jax.numpy as jnp
+
+    from data.batches import SyntheticTokenLoader
+    from lwm.attention.layout import zigzag_permutation
+    from lwm.train_step import loss_fn
+
+    mesh = make_mesh("1,1,8,1")
+    batch = next(
+        SyntheticTokenLoader(
+            batch_size=2, seq_len=64, text_vocab_size=256, layout=zigzag_permutation(64, 8)
+        )
+    )
+    results = []
+    for chunk in (0, 16):
+        cfg = load_config("configs/debug.yaml").model.model_copy(
+            update={"attention": "ring", "block_q": 4, "block_k": 4, "logits_chunk_size": chunk}
+        )
+        graphdef, params = nnx.split(create_model(cfg, mesh=mesh), nnx.Param)
+        grad = jax.jit(jax.value_and_grad(lambda p, b, g=graphdef: loss_fn(p, g, b), has_aux=True))
+        (loss, metrics), grads = grad(params, batch)
+        results.append((loss, metrics, jax.tree.leaves(grads)))
+    (l0, m0, g0), (l1, m1, g1) = results
+    assert abs(float(l1) - float(l0)) <= 1e-6 * abs(float(l0))
+    for key in m0:
+        assert abs(float(m1[key]) - float(m0[key])) <= 1e-5 * max(1.0, abs(float(m0[key]))), key
+    for a, b in zip(g0, g1, strict=True):
+        assert float(jnp.max(jnp.abs(a - b))) <= 1e-5 * (float(jnp.max(jnp.abs(a))) + 1e-12)
