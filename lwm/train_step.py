@@ -135,7 +135,7 @@ def train_step(
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
     updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
-    metrics = dict(metrics, grad_norm=optax.global_norm(grads))
+    metrics = dict(metrics, grad_norm=optax.tree.norm(grads))
     return params, opt_state, metrics
 
 
