@@ -28,6 +28,7 @@ __all__ = [
     "features",
     "lengths_path",
     "read_lengths",
+    "read_metadata",
     "shard_name",
     "write_metadata",
 ]
@@ -122,3 +123,13 @@ def read_lengths(directory: str | os.PathLike, split: str, source: Any) -> np.nd
             )
         return lengths
     return np.asarray([len(source[i]["tokens"]) for i in range(len(source))], np.int64)
+
+
+def read_metadata(directory: str | os.PathLike) -> dict[str, Any]:
+    """``metadata.json`` of a token dataset (text tokenizer, markers, VQGAN, sampling, input)."""
+    import json
+
+    path = Path(directory) / "metadata.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"'{directory}' is not a token dataset (no metadata.json)")
+    return json.loads(path.read_text())

@@ -21,9 +21,9 @@ import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-__all__ = ["VIDEO_SUFFIXES", "Item", "ManifestError", "read_inputs"]
+__all__ = ["VIDEO_SUFFIXES", "Item", "ManifestError", "QATurn", "read_inputs"]
 
 VIDEO_SUFFIXES = (
     ".mp4",
@@ -46,6 +46,14 @@ class ManifestError(ValueError):
     """The input list itself is malformed; the message names the file and line."""
 
 
+class QATurn(NamedTuple):
+    """One question about an item, its answer, and optionally its category (for scoring)."""
+
+    question: str
+    answer: str
+    category: str | None = None
+
+
 @dataclass(frozen=True)
 class Item:
     """One example to make. ``kind`` is "video", "image" or "text"."""
@@ -53,12 +61,12 @@ class Item:
     kind: str
     path: str | None = None
     text: str | None = None
-    qa: tuple[tuple[str, str], ...] | None = None
+    qa: tuple[QATurn, ...] | None = None
 
     def qa_dicts(self) -> list[dict[str, str]] | None:
         if self.qa is None:
             return None
-        return [{"question": q, "answer": a} for q, a in self.qa]
+        return [{"question": turn[0], "answer": turn[1]} for turn in self.qa]
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -130,7 +138,10 @@ def _item(row: Any, base: Path, where: str) -> Item:
                 raise ManifestError(
                     f"{where}: each 'qa' entry needs string 'question' and 'answer'"
                 )
-            pairs.append((turn["question"], turn["answer"]))
+            category = turn.get("category")
+            if category is not None and not isinstance(category, str):
+                raise ManifestError(f"{where}: a 'qa' entry's 'category' must be a string")
+            pairs.append(QATurn(turn["question"], turn["answer"], category))
         pairs = tuple(pairs)
     if not media:
         if text is None:

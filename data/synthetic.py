@@ -1,24 +1,33 @@
 """Synthetic videos of moving coloured shapes, with captions and question/answer pairs whose
 answers follow from the frames. Deterministic: video ``i`` of seed ``s`` is always the same.
 
-Each video shows 1-3 shapes (circle, square, triangle) in distinct colours of `PALETTE` on a
-dark background, each moving in a straight line (left, right, up or down) without leaving the
-frame or touching another shape; optionally a "needle" (a shape in a colour no other shape has)
-appears in exactly one frame.
+Each video shows 1 to ``max_objects`` shapes (circle, square, triangle) in distinct colours of
+`PALETTE` on a dark background, each moving in a straight line (left, right, up or down)
+without leaving the frame or touching another shape; optionally a "needle" (a shape in a colour
+no other shape has) appears in exactly one frame. Sizes and distances are fractions of the
+frame (``radius``, ``travel``): shapes must stay large enough for the video tokenizer's code
+grid to tell them apart (`scripts/probe_vqgan.py` measures what a VQGAN keeps).
+
+Every kept video is checked against its own pixels: `data.synthetic_check` measures the
+rendered frames without the spec (colours present, shape of each mask, direction of motion,
+what is there for one frame) and a draw whose frames do not give every answer is redrawn.
 
     spec = sample_video(seed=0, index=3, size=64, num_frames=16)
     frames = render_video(spec)                  # uint8 [16, 64, 64, 3]
-    spec.caption, spec.qa                        # "Two shapes ...", [{"question":..., "answer":...}]
+    spec.caption, spec.qa                        # "Two shapes ...", [{"question", "answer", "category"}]
     frames = render_frames(count=100, seed=0)    # uint8 [100, T, H, W, 3], for VQGAN training
 
     python -m data.synthetic --out runs/synthetic --count 200 --seed 0 --size 64 --frames 16
 
 writes ``OUT/videos/00000.mp4 ...`` (H.264), ``OUT/videos.jsonl`` (every attribute of every
 video) and ``OUT/manifest.jsonl``, the input of ``lwm tokenize``: per video one caption line
-``{"video": "videos/00000.mp4", "text": "..."}`` and one QA line
-``{"video": "videos/00000.mp4", "qa": [{"question": "...", "answer": "..."}, ...]}``.
-Video paths in the manifest are relative to the manifest's directory (`read_manifest` resolves
-them). Files are written under temporary names and renamed when complete.
+``{"video": "videos/00000.mp4", "text": "..."}`` (not with ``--no-captions``) and one QA line
+``{"video": "videos/00000.mp4", "qa": [{"question": "...", "answer": "...", "category": "..."}]}``
+whose turns come in an order drawn per video, so every kind of question is the first turn
+(the place `lwm ask` puts a question) in some videos. Categories: ``count``, ``count_shape``,
+``colour``, ``shape``, ``direction``, ``needle`` (`VideoSpec.qa`). Video paths in the manifest are relative
+to the manifest's directory (`read_manifest` resolves them). Files are written under temporary
+names and renamed when complete.
 """
 
 from __future__ import annotations
@@ -33,6 +42,17 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from data.synthetic_check import (
+    BACKGROUND,
+    DIRECTIONS,
+    NUMBER_WORDS,
+    PALETTE,
+    SHAPES,
+    answer,
+    observe,
+    question_category,
+)
 
 __all__ = [
     "BACKGROUND",
@@ -49,27 +69,11 @@ __all__ = [
     "write_dataset",
 ]
 
-PALETTE: dict[str, tuple[int, int, int]] = {
-    "red": (230, 40, 40),
-    "green": (40, 200, 70),
-    "blue": (50, 90, 240),
-    "yellow": (240, 220, 40),
-    "purple": (160, 70, 220),
-    "orange": (250, 140, 30),
-    "cyan": (40, 210, 220),
-    "white": (240, 240, 240),
-}
-BACKGROUND: tuple[int, int, int] = (16, 16, 24)
-SHAPES: tuple[str, ...] = ("circle", "square", "triangle")
-DIRECTIONS: dict[str, tuple[int, int]] = {
-    "left": (-1, 0),
-    "right": (1, 0),
-    "up": (0, -1),
-    "down": (0, 1),
-}
-NUMBER_WORDS: tuple[str, ...] = ("zero", "one", "two", "three", "four", "five")
 # Radius of a circle around each shape, in units of its size parameter `radius`.
 _BOUND = 1.25
+# Shape sizes and distances travelled over the whole video, as fractions of the frame size.
+RADIUS: tuple[float, float] = (0.09, 0.14)
+TRAVEL: tuple[float, float] = (0.15, 0.35)
 
 
 @dataclass(frozen=True)
@@ -115,7 +119,9 @@ class VideoSpec:
 
     @property
     def caption(self) -> str:
-        parts = [f"{_a(o.colour)} {o.shape} moving {o.direction}" for o in self.objects]
+        """One sentence naming every object (left to right as they start) and the needle."""
+        ordered = sorted(self.objects, key=lambda o: (o.x, o.y))
+        parts = [f"{_a(o.colour)} {o.shape} moving {o.direction}" for o in ordered]
         listed = parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
         n = len(self.objects)
         text = (
@@ -128,26 +134,29 @@ class VideoSpec:
 
     @property
     def qa(self) -> list[dict[str, str]]:
-        """Questions whose answers follow from the frames."""
-        pairs: list[tuple[str, str]] = []
+        """The questions about this video, each with its answer and its category, in an order
+        drawn for this video (so that every kind of question is asked first in some videos,
+        as a single question at inference is).
+
+        Categories: ``count`` (moving shapes), ``count_shape`` (moving shapes of each kind,
+        zero included), ``colour`` (of the one moving shape of a kind), ``shape`` (of the
+        moving object of a colour), ``direction`` (of each object), ``needle`` (what appeared
+        for one frame, or "nothing")."""
         counts = {s: sum(o.shape == s for o in self.objects) for s in SHAPES}
-        n = len(self.objects)
-        pairs.append(("How many shapes move in the video?", NUMBER_WORDS[n]))
-        for shape in SHAPES:
-            if counts[shape]:
-                pairs.append((f"How many {shape}s are there?", NUMBER_WORDS[counts[shape]]))
+        turns = [("How many shapes move in the video?", NUMBER_WORDS[len(self.objects)])]
+        turns += [(f"How many {s}s move in the video?", NUMBER_WORDS[counts[s]]) for s in SHAPES]
         for o in self.objects:
             if counts[o.shape] == 1:
-                pairs.append((f"What colour is the {o.shape}?", o.colour))
-            pairs.append((f"Which direction does the {o.colour} {o.shape} move?", o.direction))
-        needle = self.needle
-        pairs.append(
-            (
-                "What appeared briefly?",
-                f"{_a(needle.colour)} {needle.shape}" if needle else "nothing",
-            )
-        )
-        return [{"question": q, "answer": a} for q, a in pairs]
+                turns.append((f"What colour is the moving {o.shape}?", o.colour))
+            turns.append((f"What shape is the {o.colour} one?", o.shape))
+            turns.append((f"Which direction does the {o.colour} {o.shape} move?", o.direction))
+        n = self.needle
+        turns.append(("What appeared briefly?", f"{_a(n.colour)} {n.shape}" if n else "nothing"))
+        order = np.random.default_rng([self.seed, self.index, 1]).permutation(len(turns))
+        return [
+            {"question": q, "answer": a, "category": question_category(q) or "other"}
+            for q, a in (turns[i] for i in order)
+        ]
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "caption": self.caption, "qa": self.qa}
@@ -186,13 +195,50 @@ def sample_video(
     fps: int = 8,
     needle_prob: float = 0.5,
     max_objects: int = 3,
+    radius: tuple[float, float] = RADIUS,
+    travel: tuple[float, float] = TRAVEL,
 ) -> VideoSpec:
-    """The attributes of video ``index`` of the set with ``seed`` (pure function of its args)."""
+    """The attributes of video ``index`` of the set with ``seed`` (pure function of its args).
+
+    The number of objects is drawn first (1 to ``max_objects``), then their shapes, colours,
+    sizes (``radius`` x frame size), motions (``travel`` x frame size over the video) and
+    places, so that no two ever come close; then, with ``needle_prob``, a needle. A draw is
+    kept only if its rendered frames give every answer of `VideoSpec.qa` when measured by
+    `data.synthetic_check` (which never sees the spec); otherwise the next draw is tried."""
     if size < 16 or num_frames < 3:
         raise ValueError(f"need size >= 16 and num_frames >= 3, got {size} and {num_frames}")
-    rng = np.random.default_rng([seed, index])
+    # How many objects and whether there is a needle are drawn once, so that the retries below
+    # (objects that do not fit, frames that do not give the answers) do not bias them.
+    first = np.random.default_rng([seed, index])
+    n = int(first.integers(1, max_objects + 1))
+    needle = bool(first.random() < needle_prob)
+    for attempt in range(5000):
+        rng = np.random.default_rng([seed, index, attempt])
+        spec = _draw(rng, seed, index, size, num_frames, fps, n, needle, radius, travel)
+        if spec is not None and not check_spec(spec):
+            return spec
+    raise ValueError(
+        f"could not draw an answerable video of {size}x{size} pixels with up to {max_objects} "
+        f"shapes of radius {radius} x size; use larger frames or smaller shapes"
+    )
+
+
+def check_spec(spec: VideoSpec) -> list[str]:
+    """Problems of ``spec``: each question whose answer its rendered frames do not give (as
+    measured by `data.synthetic_check.observe`), and anything the measurement found unclear.
+    Empty when every answer follows from the frames."""
+    seen = observe(render_video(spec))
+    problems = list(seen.problems)
+    for turn in spec.qa:
+        got = answer(seen, turn["question"])
+        if got != turn["answer"]:
+            problems.append(f"{turn['question']!r}: frames give {got!r}, spec {turn['answer']!r}")
+    return problems
+
+
+def _draw(rng, seed, index, size, num_frames, fps, n, with_needle, radius, travel):
+    """One draw of a video with ``n`` objects (and a needle), or None if they did not fit."""
     colours = list(PALETTE)
-    n = int(rng.integers(1, max_objects + 1))
     objects: list[MovingShape] = []
     for _ in range(n):
         for _attempt in range(50):
@@ -200,33 +246,37 @@ def sample_video(
             colour = str(rng.choice([c for c in colours if c not in used]))
             shape = str(rng.choice(SHAPES))
             direction = str(rng.choice(list(DIRECTIONS)))
-            radius = float(size * rng.uniform(0.09, 0.14))
-            travel = float(size * rng.uniform(0.15, 0.35))
-            start = _place(rng, size, radius, travel, direction)
+            r = float(size * rng.uniform(*radius))
+            distance = float(size * rng.uniform(*travel))
+            start = _place(rng, size, r, distance, direction)
             if start is None:
                 continue
             candidate = MovingShape(
-                shape, colour, *start, radius, direction, travel / (num_frames - 1)
+                shape, colour, *start, r, direction, distance / (num_frames - 1)
             )
             if all(
-                _apart(candidate.centre(t), radius, o.centre(t), o.radius)
+                _apart(candidate.centre(t), r, o.centre(t), o.radius)
                 for o in objects
                 for t in range(num_frames)
             ):
                 objects.append(candidate)
                 break
+        else:
+            return None
     needle = None
-    if rng.random() < needle_prob:
+    if with_needle:
         used = {o.colour for o in objects}
         for _attempt in range(50):
             frame = int(rng.integers(1, num_frames - 1))
-            radius = float(size * rng.uniform(0.09, 0.14))
-            margin = _BOUND * radius + 1
+            r = float(size * rng.uniform(*radius))
+            margin = _BOUND * r + 1
             x, y = (float(v) for v in rng.uniform(margin, size - margin, size=2))
-            if all(_apart((x, y), radius, o.centre(frame), o.radius) for o in objects):
+            if all(_apart((x, y), r, o.centre(frame), o.radius) for o in objects):
                 colour = str(rng.choice([c for c in colours if c not in used]))
-                needle = Needle(str(rng.choice(SHAPES)), colour, frame, x, y, radius)
+                needle = Needle(str(rng.choice(SHAPES)), colour, frame, x, y, r)
                 break
+        else:
+            return None
     return VideoSpec(seed, index, size, num_frames, fps, tuple(objects), needle)
 
 
@@ -273,12 +323,16 @@ def render_frames(
     num_frames: int = 16,
     needle_prob: float = 0.5,
     start: int = 0,
+    **world: Any,
 ) -> np.ndarray:
-    """Videos ``start .. start+count-1`` of ``seed``, rendered in memory: uint8 [count, T, H, W, 3]."""
+    """Videos ``start .. start+count-1`` of ``seed``, rendered in memory: uint8 [count, T, H, W, 3].
+    ``world``: `sample_video`'s ``max_objects``, ``radius``, ``travel``."""
     return np.stack(
         [
             render_video(
-                sample_video(seed, i, size=size, num_frames=num_frames, needle_prob=needle_prob)
+                sample_video(
+                    seed, i, size=size, num_frames=num_frames, needle_prob=needle_prob, **world
+                )
             )
             for i in range(start, start + count)
         ]
@@ -311,9 +365,13 @@ def write_dataset(
     fps: int = 8,
     needle_prob: float = 0.5,
     progress: bool = False,
+    captions: bool = True,
+    **world: Any,
 ) -> Path:
     """Write ``count`` videos as MP4 under ``out/videos`` with ``videos.jsonl`` and
-    ``manifest.jsonl`` (see the module docstring); returns the manifest's path."""
+    ``manifest.jsonl`` (see the module docstring); returns the manifest's path. ``world``:
+    `sample_video`'s ``max_objects``, ``radius``, ``travel``. ``captions=False`` leaves the
+    caption lines out of the manifest (``videos.jsonl`` still has every caption)."""
     from data.video_io import write_mp4
 
     out = Path(out)
@@ -326,12 +384,13 @@ def write_dataset(
         indices = tqdm(indices, desc="synthetic videos", unit="video")
     for i in indices:
         spec = sample_video(
-            seed, i, size=size, num_frames=num_frames, fps=fps, needle_prob=needle_prob
+            seed, i, size=size, num_frames=num_frames, fps=fps, needle_prob=needle_prob, **world
         )
         rel = f"videos/{i:05d}.mp4"
-        write_mp4(out / rel, render_video(spec), fps=fps)
+        write_mp4(out / rel, render_video(spec), fps=fps, pix_fmt="yuv444p")
         specs.append({"video": rel, **spec.to_json()})
-        manifest.append({"video": rel, "text": spec.caption})
+        if captions:
+            manifest.append({"video": rel, "text": spec.caption})
         manifest.append({"video": rel, "qa": spec.qa})
     _write_jsonl(out / "videos.jsonl", specs)
     _write_jsonl(out / "manifest.jsonl", manifest)
@@ -358,6 +417,16 @@ def read_manifest(path: str | os.PathLike) -> list[dict[str, Any]]:
     return rows
 
 
+def _pair(text: str) -> tuple[float, float]:
+    try:
+        lo, hi = (float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LO,HI (two numbers), got {text!r}") from None
+    if not 0 < lo <= hi < 1:
+        raise argparse.ArgumentTypeError(f"expected 0 < LO <= HI < 1, got {text!r}")
+    return lo, hi
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m data.synthetic", description=__doc__.split("\n\n")[0]
@@ -369,6 +438,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--frames", type=int, default=16, help="frames per video")
     parser.add_argument("--fps", type=int, default=8)
     parser.add_argument("--needle-prob", type=float, default=0.5)
+    parser.add_argument(
+        "--max-objects", type=int, default=3, help="moving shapes per video, at most"
+    )
+    parser.add_argument(
+        "--radius", type=_pair, default=RADIUS, help="LO,HI: shape radius as a fraction of --size"
+    )
+    parser.add_argument(
+        "--travel", type=_pair, default=TRAVEL, help="LO,HI: distance moved, fraction of --size"
+    )
+    parser.add_argument(
+        "--no-captions", action="store_true", help="only QA lines in the manifest, no captions"
+    )
     args = parser.parse_args(argv)
     manifest = write_dataset(
         args.out,
@@ -379,6 +460,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         fps=args.fps,
         needle_prob=args.needle_prob,
         progress=True,
+        captions=not args.no_captions,
+        max_objects=args.max_objects,
+        radius=args.radius,
+        travel=args.travel,
     )
     print(manifest)
     return 0

@@ -45,6 +45,9 @@ from data.tokens import EOF_ID, EOV_ID, NUM_CODES, TextCodec, build_example
 __all__ = ["Encoder", "TokenizeError", "TokenizeOptions", "TokenizeSummary", "tokenize_dataset"]
 
 SPLIT = "train"
+# --video-loss: which records train on their video tokens (None: the default of
+# `data.tokens.build_example`, i.e. every record but a QA record's).
+LEARN_VIDEO: dict[str, bool | None] = {"captioned": None, "all": True, "none": False}
 
 
 class TokenizeError(Exception):
@@ -75,6 +78,7 @@ class TokenizeOptions:
     chunk_size: int = 256
     strict: bool = False
     progress: bool = True
+    video_loss: str = "captioned"  # which records learn their video: captioned, all, none
 
 
 @dataclass
@@ -123,6 +127,10 @@ def tokenize_dataset(
     log = log or (lambda msg: print(msg, file=sys.stderr))
     out = Path(opts.output)
     work = out.with_name(out.name + ".partial")
+    if opts.video_loss not in LEARN_VIDEO:
+        raise TokenizeError(
+            f"unknown video loss '{opts.video_loss}'; choose one of {', '.join(LEARN_VIDEO)}"
+        )
     if out.exists():
         raise TokenizeError(f"output '{out}' already exists; remove it or choose another --output")
     items = read_inputs(opts.input)
@@ -150,7 +158,16 @@ def tokenize_dataset(
     stream = _decode_stream(items, indices, decode_opts, opts.workers)
     try:
         for c in todo:
-            chunk = _Chunk(items, codec, encoder, opts.batch_frames, summary, bar, log)
+            chunk = _Chunk(
+                items,
+                codec,
+                encoder,
+                opts.batch_frames,
+                summary,
+                bar,
+                log,
+                LEARN_VIDEO[opts.video_loss],
+            )
             for i, first in plans[c]:
                 if first is not None:  # the same file as item `first`: reuse its codes
                     chunk.add_same_as(i, first)
@@ -173,8 +190,9 @@ def tokenize_dataset(
 
 
 class _Chunk:
-    def __init__(self, items, codec, encoder, batch_frames, summary, bar, log):
+    def __init__(self, items, codec, encoder, batch_frames, summary, bar, log, learn_video=None):
         self.items, self.codec, self.encoder = items, codec, encoder
+        self.learn_video = learn_video
         self.batch_frames, self.summary, self.bar, self.log = batch_frames, summary, bar, log
         self.queue: deque[tuple[int, np.ndarray]] = deque()  # frames waiting for the encoder
         self.queued = 0
@@ -264,7 +282,9 @@ class _Chunk:
         if codes is not None:
             self.done_codes[index] = codes
         try:
-            streams = build_example(self.codec, codes, text=item.text, qa=item.qa_dicts())
+            streams = build_example(
+                self.codec, codes, text=item.text, qa=item.qa_dicts(), learn_video=self.learn_video
+            )
         except ValueError as e:
             self._fail(index, str(e))
             return
@@ -392,6 +412,7 @@ def _job(opts: TokenizeOptions, items: list[Item], codec: TextCodec, encoder: En
         "min_frames": opts.min_frames,
         "batch_frames": opts.batch_frames,
         "chunk_size": opts.chunk_size,
+        "video_loss": opts.video_loss,
     }
 
 
@@ -472,6 +493,7 @@ def _finish(
             "codebook_size": job["codebook_size"],
         },
         "sampling": {k: job[k] for k in ("fps", "max_frames", "min_frames")},
+        "video_loss": job["video_loss"],
         "input": job["input"],
         "counts": {
             "items": summary.items,

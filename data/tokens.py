@@ -156,10 +156,13 @@ def build_example(
     *,
     text: str | None = None,
     qa: list[dict[str, str]] | None = None,
+    learn_video: bool | None = None,
 ) -> dict[str, np.ndarray]:
     """The streams of one record (see the module docstring): ``tokens`` int32, ``vision_mask``
     bool, ``loss_mask`` uint8, all of one length. ``codes`` ``[T, h, w]`` or None (text only);
-    at most one of ``text`` (a caption, or the text of a text-only record) and ``qa``."""
+    at most one of ``text`` (a caption, or the text of a text-only record) and ``qa``.
+    ``learn_video``: whether the video's tokens are trained on (loss 1); None: as in the table
+    above (yes, except in a QA record)."""
     if text is not None and qa is not None:
         raise ValueError("an example has a caption or questions, not both")
     if codes is None and text is None:
@@ -167,7 +170,7 @@ def build_example(
     ex = Example()
     if codec.bos_id is not None:
         ex.add([codec.bos_id], vision=False, loss=False)
-    train_vision = qa is None  # the video of a QA record is context
+    train_vision = qa is None if learn_video is None else learn_video
     if codes is not None:
         ex.add(codec.vision_start, vision=False, loss=train_vision)
         ex.add(vision_span(codes), vision=True, loss=train_vision)

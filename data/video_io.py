@@ -84,8 +84,16 @@ def _check_frames(frames: np.ndarray, what: str) -> np.ndarray:
     return frames
 
 
-def write_mp4(path: str | os.PathLike, frames: np.ndarray, fps: int = 8, crf: int = 12) -> None:
-    """Write uint8 ``[T, H, W, 3]`` frames as an H.264 MP4 (yuv420p; H and W must be even)."""
+def write_mp4(
+    path: str | os.PathLike,
+    frames: np.ndarray,
+    fps: int = 8,
+    crf: int = 12,
+    pix_fmt: str = "yuv420p",
+) -> None:
+    """Write uint8 ``[T, H, W, 3]`` frames as an H.264 MP4 (H and W must be even). ``pix_fmt``
+    ``yuv444p`` keeps full-resolution colour (at 32x32, 4:2:0 smears the colour of every edge
+    pixel); ``yuv420p`` is what every player reads."""
     import av
 
     path = Path(path)
@@ -96,7 +104,7 @@ def write_mp4(path: str | os.PathLike, frames: np.ndarray, fps: int = 8, crf: in
     with _atomic_path(path) as tmp, av.open(str(tmp), mode="w", format="mp4") as container:
         stream = container.add_stream("libx264", rate=fps)
         stream.width, stream.height = width, height
-        stream.pix_fmt = "yuv420p"
+        stream.pix_fmt = pix_fmt
         # Low CRF: the flat colours of the synthetic videos survive compression nearly intact.
         stream.options = {"crf": str(crf), "preset": "medium"}
         for frame in frames:

@@ -171,16 +171,27 @@ def test_manifest_qa_image_text_and_llama_tokenizer(tmp_path, media, vqgan_dir, 
     context = codec.tokenizer.decode(tokens[after:][loss[after:] == 0])
     assert "USER: What colour is the square? ASSISTANT:" in context
 
+    # The codes in the record are what the VQGAN gives for the sampled frames when asked
+    # directly: frames 0, 2, .., 10 of the 12 (8 fps read at 4 fps), read here with decord.
+    import decord
+
+    import vqgan as vqgan_pkg
+
+    frames = decord.VideoReader(str(folder / "a_h264.mp4")).get_batch(list(range(0, 12, 2)))
+    direct = vqgan_pkg.load_tokenizer(vqgan_dir).encode(frames.asnumpy()[None])[0]
+    span = tokens[start:end].reshape(6, CODES_PER_FRAME + 1)[:, :-1]
+    np.testing.assert_array_equal(span, direct.reshape(6, -1))
+
     assert image["num_frames"] == 1 and image["kind"] == b"image"
     check_vision_span(image, codec, 1)
     assert text["num_frames"] == 0 and not np.asarray(text["vision_mask"]).any()
     assert codec.tokenizer.decode(text["tokens"]) == "<s> Two shapes on a dark background.</s>"
 
 
-def _synthetic_manifest(folder: Path) -> Path:
+def _synthetic_manifest(folder: Path, seed: int = 1, count: int = 6) -> Path:
     from data.synthetic import write_dataset
 
-    return write_dataset(folder, count=6, seed=1, size=32, num_frames=6)
+    return write_dataset(folder, count=count, seed=seed, size=32, num_frames=6)
 
 
 @pytest.fixture(scope="module")
@@ -251,7 +262,9 @@ def test_bad_manifest_line_is_one_clear_error(tmp_path, vqgan_dir, capsys):
     assert code == 2 and f"manifest '{manifest}' line 2: not valid JSON" in err
 
 
-def test_train_runs_on_a_tokenized_dataset(tmp_path, synthetic, vqgan_dir):
+def test_train_runs_on_a_tokenized_dataset_and_evaluates_held_out_qa(
+    tmp_path, synthetic, vqgan_dir, capsys
+):
     data = tmp_path / "tokens"
     assert (
         lwm(
@@ -260,14 +273,41 @@ def test_train_runs_on_a_tokenized_dataset(tmp_path, synthetic, vqgan_dir):
         )
         == 0
     )
+    held_out = _synthetic_manifest(tmp_path / "held_out", seed=2, count=3)
     run = tmp_path / "run"
     overrides = [f"data.source={data}", f"train.output_dir={run}", "model.num_layers=1"]
-    overrides += ["train.seq_len=512", "train.steps=2", "train.batch_size=8"]
+    overrides += ["train.seq_len=512", "train.steps=4", "train.batch_size=8"]
     overrides += ["train.progress=false", "train.log_every=1", "train.peak_flops=1e9"]
+    overrides += [f"eval.manifest={held_out}", "eval.every=2", "eval.max_new_tokens=4"]
+    capsys.readouterr()
     assert lwm(["train", "--config", str(ROOT / "configs/tiny.yaml"), *overrides]) == 0
+    err = capsys.readouterr().err
     logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in logged if "loss" in r][-1] == 2
-    assert all(np.isfinite(r["loss"]) for r in logged if "loss" in r)
+    train_lines = [r for r in logged if "split" not in r]
+    assert [r["step"] for r in train_lines][-1] == 4
+    assert all(np.isfinite(r["loss"]) for r in train_lines)
+    # Held-out QA every 2 steps, scored per category, with the swap ablation and the blind
+    # baseline from the manifest the dataset was tokenized from (its metadata says which).
+    evals = [r for r in logged if r.get("split") == "eval"]
+    assert [r["step"] for r in evals] == [2, 4]
+    categories = {t["category"] for line in _qa_lines(held_out) for t in line["qa"]}
+    for r in evals:
+        for condition in ("model", "swapped", "blind"):
+            assert 0 <= r[f"{condition}_accuracy"] <= 1
+            assert {f"{condition}_accuracy_{c}" for c in categories} <= set(r)
+    report = [json.loads(x) for x in (run / "eval" / "qa-4.jsonl").read_text().splitlines()]
+    questions = sum(len(line["qa"]) for line in _qa_lines(held_out))
+    assert len(report) == 3 * questions + 1
+    assert report[-1]["model"]["all"]["accuracy"] == pytest.approx(
+        evals[-1]["model_accuracy"], abs=1e-4
+    )
+    assert f"blind baseline from {synthetic}" in err
+    assert "step 4: held-out QA accuracy" in err
+
+
+def _qa_lines(manifest: Path) -> list[dict]:
+    lines = [json.loads(x) for x in manifest.read_text().splitlines()]
+    return [line for line in lines if "qa" in line]
 
 
 def test_train_refuses_a_dataset_with_a_larger_text_vocabulary(

@@ -64,6 +64,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--strict", action="store_true", help="any failed item: exit 1, write no dataset"
     )
+    parser.add_argument(
+        "--video-loss",
+        choices=("captioned", "all", "none"),
+        default="captioned",
+        help="records whose video tokens are learned: captioned (and video-only) records, as "
+        "LWM (default), all (QA records too), none",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -84,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
         chunk_size=args.chunk_size,
         strict=args.strict,
         progress=not args.no_progress,
+        video_loss=args.video_loss,
     )
     try:
         summary = tokenize_dataset(opts)
