@@ -153,9 +153,11 @@ class _Loop(NamedTuple):
 
 
 def _next_logits(model: LWMModel, hidden: jax.Array, mode: str) -> jax.Array:
-    text_w, vision_w = model.head_weights(hidden.dtype)
-    w = vision_w if mode == "vision" else text_w
-    return jnp.einsum("bd,dv->bv", hidden, w, preferred_element_type=jnp.float32)
+    """Logits of the next token from the head of ``mode``; in vision mode column ``i < n`` is
+    code ``i`` (n = ``model.cfg.vision_codes`` or all 8192 codes), then the markers."""
+    vision = mode == "vision"
+    text, image = model.logits(hidden[:, None], heads=(not vision, vision))
+    return (image if vision else text)[:, 0]
 
 
 @partial(
@@ -209,7 +211,7 @@ def _generate(
             is_marker = (s.step + 1) % frame == 0
             is_last = s.step + 1 == max_new_tokens
             marker = jnp.where(is_last, EOV_ID, EOF_ID)
-            code_logits = logits.at[:, NUM_CODES:].set(-jnp.inf)
+            code_logits = logits.at[:, model.cfg.vision_codes or NUM_CODES :].set(-jnp.inf)
             token = jnp.where(is_marker, marker, sample_logits(code_logits, sub, sampling))
         else:
             token = sample_logits(logits, sub, sampling)

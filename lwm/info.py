@@ -125,7 +125,10 @@ def flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> FlopsPerTok
 
     N counts the parameters multiplied against every token: per layer q, k, v, o, gate, up and
     down, plus the text and the vision head (LWM computes both logits at every position; a tied
-    head still costs its matmul). Embedding lookups are free.
+    head still costs its matmul). Embedding lookups are free. The vision head counts only the
+    columns it scores (``vision_codes`` + 2 when set); the text head counts the share of
+    positions it runs at (``loss_positions`` / S when set; a training-only saving that
+    inference FLOPs do not take).
 
         train     = 6 * N + 12 * L * (num_heads * head_dim) * S
         inference = 2 * N
@@ -136,8 +139,11 @@ def flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> FlopsPerTok
     s = cfg.max_seq_len if seq_len is None else seq_len
     layer = layer_param_specs(cfg)
     n = cfg.num_layers * sum(math.prod(layer[k].shape) for k in _MATMUL_LAYER_PARAMS)
-    n += cfg.hidden_size * (cfg.text_vocab_size + cfg.vision_vocab_size)
-    train = 6.0 * n + 12.0 * cfg.num_layers * cfg.q_size * s
+    vision = cfg.vision_codes + 2 if cfg.vision_codes else cfg.vision_vocab_size
+    n += cfg.hidden_size * (cfg.text_vocab_size + vision)
+    text_share = min(1.0, cfg.loss_positions / s) if cfg.loss_positions else 1.0
+    n_train = n - (1.0 - text_share) * cfg.hidden_size * cfg.text_vocab_size
+    train = 6.0 * n_train + 12.0 * cfg.num_layers * cfg.q_size * s
     return FlopsPerToken(train=train, inference=2.0 * n, seq_len=s, matmul_params=n)
 
 

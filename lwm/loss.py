@@ -69,13 +69,24 @@ def target_counts(targets: Targets) -> tuple[jax.Array, jax.Array]:
     return jnp.sum(targets.weight) - jnp.sum(vision), jnp.sum(vision)
 
 
-def loss_sums(text_logits: jax.Array, vision_logits: jax.Array, targets: Targets) -> dict:
+def loss_sums(
+    text_logits: jax.Array | None, vision_logits: jax.Array | None, targets: Targets
+) -> dict:
     """Summed cross-entropy, correct predictions and target counts per modality: additive
-    over any split of the positions (chunks of the sequence, micro-batches)."""
+    over any split of the positions (chunks of the sequence, micro-batches). A modality whose
+    logits are None (its head was not computed: its loss weight is 0) sums to 0 but keeps its
+    target count."""
     text_w = targets.weight * (~targets.is_vision)
     vision_w = targets.weight * targets.is_vision
-    t_nll, t_correct, t_n = _cross_entropy(text_logits, targets.tokens, text_w)
-    v_nll, v_correct, v_n = _cross_entropy(vision_logits, targets.tokens, vision_w)
+
+    def sums(logits, weight):
+        if logits is None:
+            zero = jnp.zeros((), jnp.float32)
+            return zero, zero, weight.sum()
+        return _cross_entropy(logits, targets.tokens, weight)
+
+    t_nll, t_correct, t_n = sums(text_logits, text_w)
+    v_nll, v_correct, v_n = sums(vision_logits, vision_w)
     return {
         "t_nll": t_nll,
         "t_correct": t_correct,

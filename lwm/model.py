@@ -18,6 +18,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from data.tokens import EOF_ID, EOV_ID
 from lwm.attention import blockwise_attention, dense_attention, ring_attention
 from lwm.config import ModelConfig
 from lwm.info import ParamSpec, layer_param_specs, param_specs
@@ -283,15 +284,43 @@ class LWMModel(nnx.Module):
             vision_w.T if cfg.tie_vision_embeddings else vision_w,
         )
 
-    def logits(self, hidden: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """(text_logits, vision_logits) in float32 from hidden states."""
+    def vision_head_ids(self) -> jax.Array | None:
+        """The vision ids the vision head scores when ``vision_codes`` restricts it (codes
+        ``0 .. vision_codes-1``, then <eof>, <eov>); None when it scores the whole vocabulary.
+        Column ``i`` of restricted vision logits is id ``ids[i]``."""
+        n = self.cfg.vision_codes
+        if not n:
+            return None
+        return jnp.concatenate([jnp.arange(n), jnp.asarray([EOF_ID, EOV_ID])]).astype(jnp.int32)
+
+    def vision_target_index(self, tokens: jax.Array) -> jax.Array:
+        """Vision ids -> columns of the vision logits (the identity unless restricted)."""
+        n = self.cfg.vision_codes
+        if not n:
+            return tokens
+        return jnp.where(tokens >= EOF_ID, tokens - EOF_ID + n, jnp.minimum(tokens, n - 1))
+
+    def logits(
+        self, hidden: jax.Array, heads: tuple[bool, bool] = (True, True)
+    ) -> tuple[jax.Array | None, jax.Array | None]:
+        """(text_logits, vision_logits) in float32 from hidden states; a head switched off in
+        ``heads`` (text, vision) is not computed and gives None. The vision logits have one
+        column per `vision_head_ids` when ``vision_codes`` restricts them."""
         out = []
-        for w in self.head_weights(hidden.dtype):
+        ids = self.vision_head_ids()
+        for i, (w, on) in enumerate(zip(self.head_weights(hidden.dtype), heads, strict=True)):
+            if not on:
+                out.append(None)
+                continue
+            if i == 1 and ids is not None:
+                w = jnp.take(w, ids, axis=1)
             y = jnp.einsum("bsd,dv->bsv", hidden, w, preferred_element_type=jnp.float32)
             out.append(self._constrain(y, "batch", "length", "act_vocab"))
         return out[0], out[1]
 
-    def chunked_loss_sums(self, hidden: jax.Array, targets) -> dict:
+    def chunked_loss_sums(
+        self, hidden: jax.Array, targets, heads: tuple[bool, bool] = (True, True)
+    ) -> dict:
         """`lwm.loss.loss_sums` computed chunk by chunk, so only one chunk's text and vision
         logits (``[batch, logits_chunk_size, vocab]``, float32) exist at a time, in the
         forward and, recomputed, in the backward pass. Token j goes to chunk j % chunks, so
@@ -309,7 +338,7 @@ class LWMModel(nnx.Module):
         @jax.checkpoint
         def one(carry, xs):
             h, t = xs
-            text, vision = self.logits(h)
+            text, vision = self.logits(h, heads)
             return jax.tree.map(jnp.add, carry, loss_sums(text, vision, Targets(*t))), None
 
         zero = {

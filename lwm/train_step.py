@@ -73,12 +73,48 @@ def loss_fn(
 ):
     model: LWMModel = nnx.merge(graphdef, params)
     targets = _targets(batch)
+    # Vision targets as columns of the vision logits (restricted by model.vision_codes).
+    targets = targets._replace(
+        tokens=jnp.where(
+            targets.is_vision, model.vision_target_index(targets.tokens), targets.tokens
+        )
+    )
     inputs = (batch["tokens"], batch["vision_mask"], batch["positions"], batch["segment_ids"])
-    if model.cfg.logits_chunk_size:
-        sums = model.chunked_loss_sums(model.hidden_states(*inputs), targets)
+    heads = (weights[0] > 0, weights[1] > 0)  # a head whose loss weight is 0 is not computed
+    hidden = model.hidden_states(*inputs)
+    cap = model.cfg.loss_positions
+    dropped = None
+    if heads[0] and 0 < cap < hidden.shape[1]:
+        # The text head only at the positions with a text target; the vision head everywhere.
+        text_only = targets._replace(weight=targets.weight * ~targets.is_vision)
+        h, t, dropped = trained_positions(hidden, text_only, cap)
+        text_sums = _loss_sums(model, h, t, (True, False))
+        vision_sums = _loss_sums(model, hidden, targets, (False, heads[1]))
+        sums = {k: (text_sums if k.startswith("t_") else vision_sums)[k] for k in text_sums}
     else:
-        sums = loss_sums(*model(*inputs), targets)
-    return loss_from_sums(sums, text_weight=weights[0], vision_weight=weights[1], counts=counts)
+        sums = _loss_sums(model, hidden, targets, heads)
+    loss, metrics = loss_from_sums(
+        sums, text_weight=weights[0], vision_weight=weights[1], counts=counts
+    )
+    if dropped is not None:
+        metrics["targets_dropped"] = dropped
+    return loss, metrics
+
+
+def _loss_sums(model: LWMModel, hidden: jax.Array, targets: Targets, heads) -> dict:
+    if model.cfg.logits_chunk_size:
+        return model.chunked_loss_sums(hidden, targets, heads)
+    return loss_sums(*model.logits(hidden, heads), targets)
+
+
+def trained_positions(hidden: jax.Array, targets: Targets, n: int):
+    """The hidden states and targets of the first ``n`` trained positions of each row (then
+    untrained ones, if fewer), and the number of trained positions that did not fit."""
+    trained = targets.weight > 0
+    order = jnp.argsort(~trained, axis=1, stable=True)[:, :n]
+    kept = Targets(*(jnp.take_along_axis(x, order, axis=1) for x in targets))
+    dropped = jnp.sum(trained, dtype=jnp.float32) - jnp.sum(kept.weight > 0, dtype=jnp.float32)
+    return jnp.take_along_axis(hidden, order[..., None], axis=1), kept, dropped
 
 
 def _targets(batch: dict) -> Targets:

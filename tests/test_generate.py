@@ -121,6 +121,47 @@ def test_vision_mode_forces_frame_markers():
     assert (codes < EOF_ID).all()
 
 
+@pytest.mark.parametrize("mesh_shape,codes", [(None, 0), ("1,1,4,2", 0), ("1,1,4,2", 16)])
+def test_greedy_vision_mode_equals_full_forward(mesh_shape, codes):
+    """Vision generation is argmax over the codes of a full forward pass of the vision head,
+    with <eof> after every frame's codes and <eov> after the last frame's; with
+    ``vision_codes`` only the first that many codes compete."""
+    mesh = None if mesh_shape is None else make_mesh(mesh_shape)
+    attention = "ring" if mesh else "blockwise"
+    model = create_model(debug_cfg(attention=attention, vision_codes=codes), mesh=mesh)
+    full = create_model(debug_cfg(attention=attention), mesh=mesh)  # same seed: same weights
+    tokens, vision, lens = prompts()
+    per_frame, frames = 4, 3
+    out, _ = generate(
+        model,
+        tokens,
+        vision,
+        lens,
+        key=jax.random.key(0),
+        mode="vision",
+        tokens_per_frame=per_frame,
+        num_frames=frames,
+    )
+    steps = frames * (per_frame + 1)
+    sp = 1 if mesh is None else mesh.shape["sp"]
+    width = -(-(tokens.shape[1] + steps) // sp) * sp
+    seqs = np.zeros((2, width), np.int32)
+    vis = np.zeros((2, width), bool)
+    seqs[:, : tokens.shape[1]], vis[:, : tokens.shape[1]] = tokens, vision
+    forward = nnx.jit(lambda m, t, v: m(t, v)[1])
+    n = np.asarray(lens).copy()
+    for i in range(steps):
+        logits = np.asarray(forward(full, jnp.asarray(seqs), jnp.asarray(vis)))
+        if (i + 1) % (per_frame + 1) == 0:
+            nxt = np.full(2, EOV_ID if i + 1 == steps else EOF_ID)
+        else:
+            nxt = logits[[0, 1], n - 1, : codes or EOF_ID].argmax(-1)  # codes, never a marker
+        seqs[[0, 1], n], vis[[0, 1], n] = nxt, True
+        n += 1
+    ref = [seqs[r, int(lens[r]) : int(lens[r]) + steps].tolist() for r in range(2)]
+    assert np.asarray(out).tolist() == ref
+
+
 def test_cfg_scale_one_equals_conditional_generation():
     model = create_model(debug_cfg())
     tokens, vision, lens = prompts()

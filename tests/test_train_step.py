@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+import pytest
 from flax import nnx
 
 from lwm.config import load_config
@@ -62,8 +63,18 @@ def test_train_step_compiles_from_abstract_sharded_state():
     assert args <= 1.1 * (planned.params + planned.optimizer + batch_bytes) + 4096, (args, planned)
 
 
-def test_chunked_logits_loss_equals_full_logits_loss():
-    """logits_chunk_size computes the same loss and gradients without all logits at once."""
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"logits_chunk_size": 16},
+        {"loss_positions": 40},
+        {"loss_positions": 32, "logits_chunk_size": 8},
+    ],
+)
+def test_chunked_or_gathered_logits_loss_equals_full_logits_loss(options):
+    """logits_chunk_size computes the same loss and gradients without all logits at once;
+    loss_positions computes the heads only where rows are trained (here: half the tokens of
+    every row are trained, so 32 positions hold all text targets)."""
     import jax.numpy as jnp
 
     from data.batches import SyntheticTokenLoader
@@ -76,10 +87,15 @@ def test_chunked_logits_loss_equals_full_logits_loss():
             batch_size=2, seq_len=64, text_vocab_size=256, layout=zigzag_permutation(64, 8)
         )
     )
+    # Train on the second half of every document only, as a QA record trains on its answers.
+    w = np.asarray(batch["target_weight"]).copy()
+    w[:, ::2] = 0
+    batch = dict(batch, target_weight=w)
+    assert (w > 0).sum(axis=1).max() <= 32
     results = []
-    for chunk in (0, 16):
+    for update in ({}, options):
         cfg = load_config("configs/debug.yaml").model.model_copy(
-            update={"attention": "ring", "block_q": 4, "block_k": 4, "logits_chunk_size": chunk}
+            update={"attention": "ring", "block_q": 4, "block_k": 4, **update}
         )
         graphdef, params = nnx.split(create_model(cfg, mesh=mesh), nnx.Param)
         grad = jax.jit(jax.value_and_grad(lambda p, b, g=graphdef: loss_fn(p, g, b), has_aux=True))
@@ -87,7 +103,52 @@ def test_chunked_logits_loss_equals_full_logits_loss():
         results.append((loss, metrics, jax.tree.leaves(grads)))
     (l0, m0, g0), (l1, m1, g1) = results
     assert abs(float(l1) - float(l0)) <= 1e-6 * abs(float(l0))
+    assert float(m1.get("targets_dropped", 0)) == 0
     for key in m0:
         assert abs(float(m1[key]) - float(m0[key])) <= 1e-5 * max(1.0, abs(float(m0[key]))), key
     for a, b in zip(g0, g1, strict=True):
         assert float(jnp.max(jnp.abs(a - b))) <= 1e-5 * (float(jnp.max(jnp.abs(a))) + 1e-12)
+
+
+def test_loss_positions_counts_what_does_not_fit():
+    from data.batches import SyntheticTokenLoader
+    from lwm.train_step import loss_fn
+
+    batch = next(SyntheticTokenLoader(batch_size=2, seq_len=64, text_vocab_size=256))
+    w, is_vision = np.asarray(batch["target_weight"]), np.asarray(batch["target_is_vision"])
+    trained = int(((w > 0) & ~is_vision).sum())  # text targets: only these need the text head
+    assert trained > 32
+    cfg = load_config("configs/debug.yaml").model.model_copy(update={"loss_positions": 16})
+    graphdef, params = nnx.split(create_model(cfg), nnx.Param)
+    _, metrics = jax.jit(lambda p, b: loss_fn(p, graphdef, b))(params, batch)
+    assert float(metrics["targets_dropped"]) == trained - 2 * 16
+
+
+def test_vision_codes_restrict_the_vision_softmax_to_the_codebook():
+    """With vision_codes=N the vision loss is the cross-entropy over codes 0..N-1 and the two
+    markers: computed here from the full logits of the same weights."""
+    import jax.numpy as jnp
+
+    from data.batches import SyntheticTokenLoader
+    from data.tokens import EOF_ID
+    from lwm.train_step import loss_fn
+
+    batch = next(SyntheticTokenLoader(batch_size=2, seq_len=64, text_vocab_size=256))
+    full_cfg = load_config("configs/debug.yaml").model
+    graphdef, params = nnx.split(create_model(full_cfg), nnx.Param)
+    restricted = nnx.graphdef(create_model(full_cfg.model_copy(update={"vision_codes": 512})))
+    _, metrics = jax.jit(lambda p, b: loss_fn(p, restricted, b))(params, batch)
+
+    model = nnx.merge(graphdef, params)
+    _, vision = model(
+        batch["tokens"], batch["vision_mask"], batch["positions"], batch["segment_ids"]
+    )
+    cols = np.r_[0:512, EOF_ID, EOF_ID + 1]
+    logits = np.asarray(vision)[..., cols]
+    target = np.asarray(batch["target_tokens"])
+    index = np.where(target >= EOF_ID, target - EOF_ID + 512, target)
+    w = np.asarray(batch["target_weight"]) * np.asarray(batch["target_is_vision"])
+    logz = np.asarray(jax.nn.logsumexp(jnp.asarray(logits), axis=-1))
+    picked = np.take_along_axis(logits, index[..., None], axis=-1)[..., 0]
+    expected = ((logz - picked) * w).sum() / w.sum()
+    assert abs(float(metrics["vision_loss"]) - expected) <= 1e-5 * expected
