@@ -18,7 +18,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "show a config's parameter counts, FLOPs per token and per-device memory",
     ),
     "train": ("lwm.commands.train", "train the model (sharded, checkpointed, resumable)"),
-    "ask": ("lwm.commands.ask", "answer questions about videos with a trained model"),
+    "ask": ("lwm.commands.ask", "answer questions about a video with a trained model"),
+    "eval": (
+        "lwm.commands.eval",
+        "evaluate a model: QA accuracy per category vs blind and swapped",
+    ),
     "tokenize": ("lwm.commands.tokenize", "videos, images and text to an LWM token dataset"),
     "vqgan": ("lwm.commands.vqgan", "the VQGAN video tokenizer: train, encode, decode, import"),
 }

@@ -16,6 +16,7 @@ __all__ = [
     "Config",
     "DataConfig",
     "DistributedConfig",
+    "EvalConfig",
     "TrainConfig",
     "ConfigError",
     "MeshConfig",
@@ -49,6 +50,10 @@ class ModelConfig(BaseModel):
 
     text_vocab_size: PositiveInt = 32000
     vision_vocab_size: PositiveInt = 8448
+    # The vision head scores only codes 0..vision_codes-1 and the <eof>/<eov> markers (a VQGAN
+    # with that many codes never produces the others); 0: the whole vision vocabulary. The
+    # parameters keep their full size (LWM's checkpoints load either way).
+    vision_codes: Annotated[int, Field(ge=0)] = 0
     hidden_size: PositiveInt
     intermediate_size: PositiveInt
     num_layers: PositiveInt
@@ -67,6 +72,11 @@ class ModelConfig(BaseModel):
     scan_layers: bool = True
     mlp_chunk_size: Annotated[int, Field(ge=0)] = 0  # 0 = unchunked
     logits_chunk_size: Annotated[int, Field(ge=0)] = 0  # loss: tokens per logits chunk, 0 = all
+    # Loss: the text head only at the first N positions of each row that have a text target
+    # (0 = at every position). Where few are trained (answers after a video, captions) this
+    # skips most of the text head's work; a row with more text targets than N is counted in
+    # the `targets_dropped` metric, and `lwm train` stops.
+    loss_positions: Annotated[int, Field(ge=0)] = 0
     tie_word_embeddings: bool = False
     tie_vision_embeddings: bool = False
     initializer_range: PositiveFloat = 0.02
@@ -161,6 +171,21 @@ class DataConfig(BaseModel):
     pack: bool = True  # pack documents into sequences (else pad each)
 
 
+class EvalConfig(BaseModel):
+    """Held-out question answering during `lwm train` (`lwm.qa_eval`): every ``every`` steps
+    and after the last, per category, with the video-swap ablation and the blind baseline."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    manifest: str | None = None  # QA manifest of held-out videos; None: no evaluation
+    every: PositiveInt = 100
+    train_manifest: str | None = None  # blind baseline; None: the dataset's input manifest
+    vqgan: str | None = None  # None: the VQGAN named in the dataset's metadata
+    swap: bool = True  # also ask every question about another video
+    max_new_tokens: PositiveInt = 16
+    batch_size: PositiveInt = 32
+
+
 class DistributedConfig(BaseModel):
     """`jax.distributed` for many hosts; unset fields come from the environment (or TPU)."""
 
@@ -182,6 +207,7 @@ class Config(BaseModel):
     mesh: MeshConfig = Field(default_factory=MeshConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     data: DataConfig = Field(default_factory=DataConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     seed: int = 0
 

@@ -120,6 +120,12 @@ def build_loader(cfg: Config, seq_len: int, layout: np.ndarray | None) -> Loader
     loader = TokenDatasetLoader(
         data.source, split=data.split, seed=data.shuffle_seed, pack=data.pack, **common
     )
+    codes = int((loader.metadata.get("vqgan") or {}).get("codebook_size", 0))
+    if cfg.model.vision_codes and codes > cfg.model.vision_codes:
+        raise TrainingError(
+            f"dataset '{data.source}' was tokenized with a VQGAN of {codes} codes, but "
+            f"model.vision_codes is {cfg.model.vision_codes}"
+        )
     vocab = int(loader.metadata["text_tokenizer"]["vocab_size"])
     if vocab > cfg.model.text_vocab_size:
         raise TrainingError(
@@ -127,6 +133,66 @@ def build_loader(cfg: Config, seq_len: int, layout: np.ndarray | None) -> Loader
             f"but model.text_vocab_size is {cfg.model.text_vocab_size}"
         )
     return loader
+
+
+# ----------------------------------------------------------------------------------------------
+# held-out evaluation
+
+
+class QAEvaluator:
+    """`eval.manifest`'s questions answered by the model being trained (`lwm.qa_eval`): per
+    category for the model and the swap ablation, next to the blind baseline. Videos are
+    encoded once, with the VQGAN and frame sampling of the training dataset; every report is
+    kept as ``OUTPUT/eval/qa-STEP.jsonl``."""
+
+    def __init__(self, cfg: Config, graphdef, output: Path, log):
+        from data.tokens import TextCodec
+        from lwm.qa_eval import BlindBaseline, read_questions
+        from lwm.vision_qa import TrainingInputs, VideoQA
+        from vqgan import load_tokenizer
+
+        ec = cfg.eval
+        assert ec.manifest is not None
+        inputs = TrainingInputs.of(cfg.data.source)
+        vqgan = ec.vqgan or inputs.get("vqgan")
+        if not vqgan:
+            raise TrainingError("eval.manifest needs eval.vqgan: the dataset names no VQGAN")
+        self.questions = read_questions(ec.manifest)
+        train_manifest = ec.train_manifest or inputs.get("manifest")
+        self.blind = BlindBaseline.from_manifest(train_manifest) if train_manifest else None
+        self.graphdef, self.swap, self.output = graphdef, ec.swap, output
+        self.qa = VideoQA(
+            None,  # the model of the current parameters, set at each evaluation
+            TextCodec.load(inputs.get("tokenizer")),
+            load_tokenizer(vqgan),
+            max_frames=inputs.get("max_frames"),
+            fps=inputs.get("fps"),
+            max_new_tokens=ec.max_new_tokens,
+            batch_size=ec.batch_size,
+        )
+        for q in self.questions:  # encode every video now, not in the middle of training
+            self.qa.codes(q.video)
+        log(
+            f"held-out QA every {ec.every} steps: {len(self.questions)} questions from "
+            f"{ec.manifest}" + (f"; blind baseline from {train_manifest}" if self.blind else "")
+        )
+
+    def __call__(self, params, step: int) -> dict[str, float]:
+        from lwm.qa_eval import evaluate
+
+        self.qa.model = nnx.merge(self.graphdef, params)
+        t0 = time.perf_counter()
+        report = evaluate(self.questions, self.qa.answer, blind=self.blind, swap=self.swap)
+        if jax.process_index() == 0:
+            (self.output / "eval").mkdir(parents=True, exist_ok=True)
+            report.write_jsonl(self.output / "eval" / f"qa-{step}.jsonl")
+        metrics = {"eval_seconds": time.perf_counter() - t0}
+        for condition, cats in report.scores().items():
+            for category, (correct, total) in cats.items():
+                name = "accuracy" if category == "all" else f"accuracy_{category}"
+                metrics[f"{condition}_{name}"] = correct / total
+        metrics["model_cut"] = float(report.cut("model"))
+        return metrics
 
 
 # ----------------------------------------------------------------------------------------------
@@ -151,14 +217,17 @@ class MetricsWriter:
         except ImportError:  # pragma: no cover - tensorboardX is a dependency
             self.tb = None
 
-    def write(self, step: int, metrics: dict[str, float]) -> None:
+    def write(self, step: int, metrics: dict[str, float], split: str = "train") -> None:
+        """One JSONL line (``"split"`` named unless it is ``train``) and TensorBoard scalars
+        under ``SPLIT/``."""
         if not self.enabled:
             return
-        self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+        tag = {} if split == "train" else {"split": split}
+        self.jsonl.write(json.dumps({"step": step, **tag, **metrics}) + "\n")
         self.jsonl.flush()
         if self.tb is not None:
             for k, v in metrics.items():
-                self.tb.add_scalar(f"train/{k}", v, step)
+                self.tb.add_scalar(f"{split}/{k}", v, step)
 
     def close(self) -> None:
         if self.jsonl is not None:
@@ -235,6 +304,7 @@ def train(cfg: Config, *, log=None) -> TrainResult:
     peak = measure_peak_flops(jax.devices()) if tc.peak_flops == "auto" else tc.peak_flops
     peak_total = peak * jax.device_count()
     writer = MetricsWriter(output, primary)
+    evaluator = QAEvaluator(cfg, graphdef, output, log) if cfg.eval.manifest else None
     if primary:
         (output / "config.yaml").write_text(config_to_yaml(cfg))
 
@@ -272,6 +342,11 @@ def train(cfg: Config, *, log=None) -> TrainResult:
                     f"loss is {host['loss']} at step {step}; stopping. The last good state is "
                     f"{where} in {output / 'checkpoints'}"
                 )
+            if host.get("targets_dropped", 0) > 0:
+                raise TrainingError(
+                    f"step {step}: {host['targets_dropped']:.0f} trained positions did not fit "
+                    f"in model.loss_positions={model_cfg.loss_positions}; raise it (or set 0)"
+                )
             if bar is not None:
                 bar.set_postfix(loss=f"{host['loss']:.4f}")
             if step % tc.log_every == 0 or step == tc.steps:
@@ -308,6 +383,25 @@ def train(cfg: Config, *, log=None) -> TrainResult:
                     manager, step, params, opt_state, {"step": step, "loader": loader.state()}
                 )
                 last_good_save = step
+            if evaluator is not None and (step % cfg.eval.every == 0 or step == tc.steps):
+                check(step)
+                scores = evaluator(params, step)
+                writer.write(step, scores, split="eval")
+                log(
+                    f"step {step}: held-out QA accuracy {scores['model_accuracy']:.1%}"
+                    + (
+                        f", swapped {scores['swapped_accuracy']:.1%}"
+                        if "swapped_accuracy" in scores
+                        else ""
+                    )
+                    + (
+                        f", blind {scores['blind_accuracy']:.1%}"
+                        if "blind_accuracy" in scores
+                        else ""
+                    )
+                    + f" ({scores['eval_seconds']:.0f} s)"
+                )
+                window.update(t=time.perf_counter(), steps=0)
             if stop["signal"] is not None:
                 stopped_by = stop["signal"]
                 log(

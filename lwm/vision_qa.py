@@ -1,17 +1,20 @@
 """Questions about videos: the prompt a QA record trains on, then greedy (or sampled) answers.
 
-The prompt is exactly the context part of an `lwm tokenize` QA record (`data.tokens`):
-``BOS <vision> codes... </vision> USER: {question} ASSISTANT:``; the model writes the answer
-and stops at EOS. Videos are read, sampled, resized and cropped as `lwm tokenize` does, then
-encoded with the VQGAN.
+The prompt is exactly the context of the first turn of an `lwm tokenize` QA record
+(`data.tokens`): ``BOS <vision> codes... </vision> USER: {question} ASSISTANT:``; the model
+writes the answer and stops at EOS. Videos are read, sampled, resized and cropped as
+`lwm tokenize` does (by default with the sampling recorded in the training dataset's metadata),
+then encoded with the VQGAN, once per video.
 
-    answers = answer_questions(model, codec, vqgan, [("clip.mp4", "What colour is the square?")])
+    qa = VideoQA(model, codec, vqgan, max_frames=8)
+    answers = qa.answer([("clip.mp4", "What colour is the moving square?")])  # [Answer(...)]
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -21,10 +24,14 @@ from data.manifest import Item
 from data.tokens import TextCodec, qa_prompt, vision_span
 from lwm.generate import GREEDY, Sampling, generate
 from lwm.model import LWMModel
+from lwm.qa_eval import Answer
+
+__all__ = ["VideoQA", "qa_prompt_streams", "video_codes"]
 
 
-def video_codes(vqgan, path: str | Path, *, max_frames: int | None, fps: float | None = None):
-    """VQGAN codes ``[T, h, w]`` of a video (or image) file, sampled as `lwm tokenize` does."""
+def video_codes(vqgan: Any, path: str | Path, *, max_frames: int | None, fps: float | None = None):
+    """VQGAN codes ``[T, h, w]`` of a video (or image) file, sampled as `lwm tokenize` does.
+    A file that cannot be read raises ValueError naming it."""
     decoded = decode_item(
         0,
         Item(kind="video", path=str(path)),
@@ -50,60 +57,152 @@ def qa_prompt_streams(codec: TextCodec, codes: np.ndarray, question: str):
     return np.asarray(tokens, np.int32), np.asarray(vision, bool)
 
 
-def answer_prompts(
-    model: LWMModel,
-    codec: TextCodec,
-    prompts: Sequence[tuple[np.ndarray, np.ndarray]],
-    *,
-    max_new_tokens: int = 16,
-    sampling: Sampling = GREEDY,
-    seed: int = 0,
-) -> list[str]:
-    """Generate an answer for each ``(tokens, vision_mask)`` prompt (one batch, right-padded)."""
-    width = max(len(t) for t, _ in prompts)
-    batch = len(prompts)
-    if model.mesh is not None:  # the batch is sharded over (dp, fsdp)
-        data = model.mesh.shape["dp"] * model.mesh.shape["fsdp"]
-        batch = -(-batch // data) * data
-    tokens = np.zeros((batch, width), np.int32)
-    vision = np.zeros((batch, width), bool)
-    lengths = np.ones((batch,), np.int32)
-    for i, (t, v) in enumerate(prompts):
-        tokens[i, : len(t)], vision[i, : len(v)], lengths[i] = t, v, len(t)
-    stops = () if codec.eos_id is None else (codec.eos_id,)
-    out, n = generate(
-        model,
-        tokens,
-        vision,
-        lengths,
-        key=jax.random.key(seed),
-        max_new_tokens=max_new_tokens,
-        sampling=sampling,
-        stop_tokens=stops,
-    )
-    out, n = np.asarray(out), np.asarray(n)
-    answers = []
-    for row in range(len(prompts)):
-        ids = [int(x) for x in out[row, : n[row]] if x not in stops]
-        answers.append(codec.tokenizer.decode(ids, skip_special_tokens=True).strip())
-    return answers
+class VideoQA:
+    """Answers ``(video, question)`` pairs with a model; each video is encoded once.
+
+    Prompts go to `lwm.generate.generate` in batches of ``batch_size`` rows, right-padded to a
+    multiple of ``pad_to`` tokens, so repeated calls (an evaluation every N training steps)
+    reuse one compiled program. ``model`` may be replaced between calls (same structure)."""
+
+    def __init__(
+        self,
+        model: LWMModel,
+        codec: TextCodec,
+        vqgan: Any,
+        *,
+        max_frames: int | None = None,
+        fps: float | None = None,
+        max_new_tokens: int = 16,
+        sampling: Sampling = GREEDY,
+        batch_size: int = 32,
+        pad_to: int = 128,
+        seed: int = 0,
+    ):
+        self.model, self.codec, self.vqgan = model, codec, vqgan
+        self.max_frames, self.fps = max_frames, fps
+        self.max_new_tokens, self.sampling = max_new_tokens, sampling
+        self.batch_size, self.pad_to, self.seed = batch_size, pad_to, seed
+        self._codes: dict[str, np.ndarray] = {}
+
+    def codes(self, video: str | Path) -> np.ndarray:
+        key = str(video)
+        if key not in self._codes:
+            self._codes[key] = video_codes(
+                self.vqgan, video, max_frames=self.max_frames, fps=self.fps
+            )
+        return self._codes[key]
+
+    def answer(self, pairs: Sequence[tuple[str | Path, str]]) -> list[Answer]:
+        prompts = [qa_prompt_streams(self.codec, self.codes(v), q) for v, q in pairs]
+        answers: list[Answer] = []
+        for start in range(0, len(prompts), self.batch_size):
+            answers += self.answer_prompts(prompts[start : start + self.batch_size])
+        return answers
+
+    def answer_prompts(self, prompts: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[Answer]:
+        """Answers to ``(tokens, vision_mask)`` prompts (at most ``batch_size``, one batch)."""
+        width = -(-max(len(t) for t, _ in prompts) // self.pad_to) * self.pad_to
+        rows = max(self.batch_size, len(prompts))
+        mesh = self.model.mesh
+        if mesh is not None:  # the batch is sharded over (dp, fsdp)
+            data = mesh.shape["dp"] * mesh.shape["fsdp"]
+            rows = -(-rows // data) * data
+        tokens = np.zeros((rows, width), np.int32)
+        vision = np.zeros((rows, width), bool)
+        lengths = np.ones((rows,), np.int32)
+        for i, (t, v) in enumerate(prompts):
+            tokens[i, : len(t)], vision[i, : len(v)], lengths[i] = t, v, len(t)
+        stops = () if self.codec.eos_id is None else (self.codec.eos_id,)
+        out, n = generate(
+            self.model,
+            tokens,
+            vision,
+            lengths,
+            key=jax.random.key(self.seed),
+            max_new_tokens=self.max_new_tokens,
+            sampling=self.sampling,
+            stop_tokens=stops,
+        )
+        out, n = np.asarray(out), np.asarray(n)
+        answers = []
+        for row in range(len(prompts)):
+            generated = [int(x) for x in out[row, : n[row]]]
+            ended = bool(stops) and bool(generated) and generated[-1] in stops
+            ids = [x for x in generated if x not in stops]
+            text = self.codec.tokenizer.decode(ids, skip_special_tokens=True).strip()
+            answers.append(Answer(text, cut=not ended))
+        return answers
 
 
-def answer_questions(
-    model: LWMModel,
-    codec: TextCodec,
-    vqgan,
-    questions: Sequence[tuple[str | Path, str]],
+class TrainingInputs(dict):
+    """What a model's training dataset records (`lwm tokenize`'s metadata.json), for asking it
+    questions the way it was trained: ``vqgan`` (path), ``tokenizer`` (path), ``max_frames``,
+    ``fps`` (the frame sampling) and ``manifest`` (the input it was made from). Empty when the
+    run did not train on a token dataset, or that dataset is gone."""
+
+    @classmethod
+    def of(cls, data_source: str | None) -> TrainingInputs:
+        from data.dataset_io import read_metadata
+
+        if not data_source or data_source == "synthetic":
+            return cls()
+        try:
+            meta = read_metadata(data_source)
+        except (FileNotFoundError, ValueError):
+            return cls()
+        sampling = meta.get("sampling") or {}
+        found = {
+            "vqgan": (meta.get("vqgan") or {}).get("path"),
+            "tokenizer": (meta.get("text_tokenizer") or {}).get("name"),
+            "max_frames": sampling.get("max_frames"),
+            "fps": sampling.get("fps"),
+            "manifest": meta.get("input")
+            if str(meta.get("input", "")).endswith(".jsonl")
+            else None,
+            "dataset": str(data_source),
+        }
+        return cls({k: v for k, v in found.items() if v is not None})
+
+
+def load_video_qa(
+    model: str,
     *,
-    max_frames: int | None = 8,
+    config: str | None = None,
+    mesh=None,
+    vqgan: str | None = None,
+    tokenizer: str | None = None,
+    max_frames: int | None = None,
     fps: float | None = None,
-    max_new_tokens: int = 16,
-    sampling: Sampling = GREEDY,
-) -> list[str]:
-    """Answers to ``(video path, question)`` pairs; each video is encoded once."""
-    codes: dict[str, np.ndarray] = {}
-    for path, _ in questions:
-        if str(path) not in codes:
-            codes[str(path)] = video_codes(vqgan, path, max_frames=max_frames, fps=fps)
-    prompts = [qa_prompt_streams(codec, codes[str(p)], q) for p, q in questions]
-    return answer_prompts(model, codec, prompts, max_new_tokens=max_new_tokens, sampling=sampling)
+    log=print,
+    **options: Any,
+) -> tuple[VideoQA, TrainingInputs]:
+    """A `VideoQA` for ``model`` (``run:DIR``, or a `lwm.weights.load_model` source with the
+    model ``config`` file), and what its training dataset records. The VQGAN, the tokenizer and
+    the frame sampling default to the training dataset's; ``options`` go to `VideoQA`."""
+    from data.tokens import TextCodec
+    from lwm.config import load_config
+    from lwm.weights import load_model
+    from vqgan import load_tokenizer
+
+    if model.startswith("run:"):
+        from lwm.runs import load_run
+
+        cfg, lm = load_run(model[4:], mesh=mesh, log=log)
+    else:
+        if not config:
+            raise ValueError("a model config is needed with a --model that is not run:DIR")
+        cfg = load_config(config)
+        lm = load_model(model, cfg.model, mesh=mesh)
+    inputs = TrainingInputs.of(cfg.data.source)
+    vqgan = vqgan or inputs.get("vqgan")
+    if not vqgan:
+        raise ValueError("a VQGAN is needed (--vqgan): the model's training dataset names none")
+    if max_frames is None and fps is None and "dataset" in inputs:
+        max_frames, fps = inputs.get("max_frames"), inputs.get("fps")
+        log(
+            f"sampling videos as the training dataset {inputs['dataset']} was: "
+            f"max_frames={max_frames}, fps={fps}"
+        )
+    codec = TextCodec.load(tokenizer or inputs.get("tokenizer"))
+    qa = VideoQA(lm, codec, load_tokenizer(vqgan), max_frames=max_frames, fps=fps, **options)
+    return qa, inputs

@@ -27,9 +27,35 @@ def test_qa_prompt_is_the_context_of_a_training_record():
     assert vision.sum() == 3 * (16 + 1)
 
 
-def test_ask_without_questions_is_one_clear_error(tmp_path, capsys):
-    code = lwm(["ask", "--model", f"run:{tmp_path}", "--vqgan", str(tmp_path)])
-    assert code == 2
-    assert capsys.readouterr().err.strip() == (
-        "lwm ask: error: give --video and --question, or --manifest"
+def test_ask_about_a_missing_run_is_one_clear_error(tmp_path, capsys):
+    code = lwm(
+        ["ask", "--model", f"run:{tmp_path}", "--video", "v.mp4", "--question", "What is it?"]
     )
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"lwm ask: error: '{tmp_path}' is not an lwm train run (expected config.yaml and "
+        "checkpoints/)"
+    ]
+
+
+def test_training_inputs_come_from_the_dataset_metadata(tmp_path):
+    import json
+
+    from lwm.vision_qa import TrainingInputs
+
+    assert TrainingInputs.of("synthetic") == {} and TrainingInputs.of(str(tmp_path)) == {}
+    meta = {
+        "vqgan": {"path": "/v"},
+        "text_tokenizer": {"name": "/t"},
+        "sampling": {"fps": None, "max_frames": 8},
+        "input": "/data/manifest.jsonl",
+    }
+    (tmp_path / "metadata.json").write_text(json.dumps(meta))
+    assert TrainingInputs.of(str(tmp_path)) == {
+        "vqgan": "/v",
+        "tokenizer": "/t",
+        "max_frames": 8,
+        "manifest": "/data/manifest.jsonl",
+        "dataset": str(tmp_path),
+    }

@@ -1,0 +1,122 @@
+"""Evaluate a trained model.
+
+  lwm eval qa --model run:runs/demo/lm --manifest held_out/manifest.jsonl
+  lwm eval qa --model run:runs/demo/lm --manifest held_out/manifest.jsonl \\
+      --train-manifest train/manifest.jsonl --out qa.jsonl
+
+`qa`: every question of a QA manifest, scored per category under three conditions: the model
+with the right video, the model with another video of the set (the swap ablation: answers are
+scored against the right video's answers), and a blind baseline that never sees a video (the
+most frequent answer per question text in --train-manifest; by default the manifest the run's
+training dataset was tokenized from). One JSON line per question and condition, then a summary
+line, go to stdout (or --out); the table goes to stderr.
+
+Videos are sampled as the run's training dataset was (its metadata) unless --max-frames/--fps
+say otherwise; --vqgan and --tokenizer default to the dataset's too. --model takes run:DIR (an
+`lwm train` output) or any weights source with --config (hf:, lwm:/params::, orbax:).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from lwm.commands import positive_int
+
+_SUBPARSERS: dict[str, argparse.ArgumentParser] = {}
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """The options `lwm ask` and `lwm eval qa` share: which model, how videos become prompts."""
+    p.add_argument("--model", required=True, help="run:DIR, or hf:/lwm:/orbax: with --config")
+    p.add_argument("--config", help="model config (needed unless --model is run:DIR)")
+    p.add_argument("--vqgan", help="VQGAN folder (default: the one of the training dataset)")
+    p.add_argument("--tokenizer", help="text tokenizer folder (default: the training dataset's)")
+    p.add_argument(
+        "--max-frames",
+        type=positive_int,
+        help="frames per video, evenly spaced (default: as the training dataset was sampled)",
+    )
+    p.add_argument("--fps", type=float, help="frame rate to sample at (default: as in training)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=16)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--batch-size", type=positive_int, default=32, help="prompts per generate call")
+    p.add_argument("--mesh", help="dp,fsdp,sp,tp to shard the model over (default: 1 device)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="subcommand", required=True, metavar="SUBCOMMAND")
+    p = sub.add_parser("qa", help="QA accuracy per category: model, swapped videos, blind")
+    add_model_arguments(p)
+    p.add_argument("--manifest", required=True, help="JSONL with QA lines (held-out videos)")
+    p.add_argument(
+        "--train-manifest",
+        help="training QA manifest for the blind baseline (default: the dataset's input)",
+    )
+    p.add_argument("--no-swap", action="store_true", help="skip the video-swap ablation")
+    p.add_argument("--out", help="write the JSON lines here instead of stdout")
+    _SUBPARSERS["qa"] = p
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
+    if argv and argv[0] in _SUBPARSERS:
+        args = _SUBPARSERS[argv[0]].parse_intermixed_args(list(argv[1:]))
+        args.subcommand = argv[0]
+        return args
+    return parser.parse_args(list(argv))
+
+
+def load_video_qa(args: argparse.Namespace, log):
+    """`lwm.vision_qa.load_video_qa` with the options of `add_model_arguments`; the mesh is
+    built here, once, and passed down."""
+    from lwm.generate import Sampling
+    from lwm.mesh import make_mesh
+    from lwm.vision_qa import load_video_qa as load
+
+    return load(
+        args.model,
+        config=args.config,
+        mesh=make_mesh(args.mesh) if args.mesh else None,
+        vqgan=args.vqgan,
+        tokenizer=args.tokenizer,
+        max_frames=args.max_frames,
+        fps=args.fps,
+        log=log,
+        max_new_tokens=args.max_new_tokens,
+        sampling=Sampling(temperature=args.temperature, top_p=args.top_p),
+        batch_size=args.batch_size,
+    )
+
+
+def _log(msg: str) -> None:
+    print(f"lwm eval: {msg}", file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    from lwm.qa_eval import BlindBaseline, evaluate, read_questions
+
+    try:
+        questions = read_questions(args.manifest)
+        qa, inputs = load_video_qa(args, _log)
+        train_manifest = args.train_manifest or inputs.get("manifest")
+        blind = None
+        if train_manifest:
+            blind = BlindBaseline.from_manifest(train_manifest)
+        else:
+            _log("no training manifest (--train-manifest): the blind baseline is left out")
+        _log(f"{len(questions)} questions about {len({q.video for q in questions})} videos")
+        report = evaluate(questions, qa.answer, blind=blind, swap=not args.no_swap)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"lwm eval: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    if args.out:
+        report.write_jsonl(args.out)
+    else:
+        for r in report.records:
+            print(json.dumps(r))
+        print(json.dumps(report.summary()))
+    print(report.table(), file=sys.stderr)
+    return 0
