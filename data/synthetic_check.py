@@ -165,6 +165,10 @@ def question_category(question: str) -> str | None:
     return None
 
 
+def _number(n: int) -> str | None:
+    return NUMBER_WORDS[n] if n < len(NUMBER_WORDS) else None
+
+
 def answer(seen: Observation, question: str) -> str | None:
     """The answer ``seen`` gives to one of the world's questions; None when the frames do not
     settle it (an unclear shape or direction, no such object, two objects that fit)."""
@@ -174,11 +178,11 @@ def answer(seen: Observation, question: str) -> str | None:
         if m is None:
             continue
         if name == "count":
-            return NUMBER_WORDS[len(objects)]
+            return _number(len(objects))
         if name == "count_shape":
             if any(o.shape is None for o in objects):
                 return None
-            return NUMBER_WORDS[sum(o.shape == m.group(1) for o in objects)]
+            return _number(sum(o.shape == m.group(1) for o in objects))
         if name == "colour":
             fits = [o for o in objects if o.shape == m.group(1)]
             unclear = any(o.shape is None for o in objects)

@@ -186,6 +186,20 @@ class QAReport:
             )
         return "\n".join(lines)
 
+    @classmethod
+    def read_jsonl(cls, path: str | os.PathLike) -> QAReport:
+        """A report written by `write_jsonl` (e.g. ``OUTPUT/eval/qa-STEP.jsonl`` of `lwm train`)."""
+        lines = [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]
+        if not lines or lines[-1].get("summary") != "qa":
+            raise ValueError(f"{path}: not a QA report (no summary line at the end)")
+        records, summary = lines[:-1], lines[-1]
+        conditions = tuple(c for c in ("model", "swapped", "blind") if c in summary)
+        source = summary.get("blind_baseline")
+        prefix = "most frequent answer per question in "
+        if source is not None and source.startswith(prefix):
+            source = source[len(prefix) :]
+        return cls(conditions, records, source)
+
     def write_jsonl(self, path: str | os.PathLike) -> None:
         """Every record, then the summary, as JSON lines (written to a temporary name, then
         renamed)."""

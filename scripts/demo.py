@@ -17,8 +17,9 @@ when its output already exists, so rerunning the demo continues where it stopped
  4. `lwm train`: the `demo` world model (configs/demo.yaml) on that dataset, ring attention over `sp`, zigzag
     layout, on a (1, 2, 4, 1) mesh of 8 simulated CPU devices, with the held-out questions
     asked every `--eval-every` steps;
- 5. `lwm eval qa`: every held-out question, per category, for the model, for the model shown
-    another video (the swap ablation) and for a blind baseline (the most frequent training
+ 5. the last of those evaluations, as `lwm eval qa` prints it (the same code; the command that
+    reruns it is printed): every held-out question, per category, for the model, for the model
+    shown another video (the swap ablation) and for a blind baseline (the most frequent training
     answer to the same question); `scripts/plot_run.py` draws loss and accuracy per step.
 """
 
@@ -112,17 +113,19 @@ def main() -> int:
         env=env,
     )
 
-    # 5. every held-out question: model, swapped videos, blind baseline
-    results = out / "qa.jsonl"
-    run(
-        [*lwm, "eval", "qa", "--model", f"run:{lm}", "--manifest", str(held_out)]
-        + ["--mesh", args.mesh, "--out", str(results)],
-        env=env,
-    )
+    # 5. every held-out question: model, swapped videos, blind baseline (lwm train asked them
+    # after its last step, as `lwm eval qa` does; rerunning that command gives the same table)
+    from lwm.qa_eval import QAReport
+
+    results = lm / "eval" / f"qa-{args.lm_steps}.jsonl"
+    report = QAReport.read_jsonl(results)
+    rerun = [*lwm[1:], "eval", "qa", "--model", f"run:{lm}", "--manifest", str(held_out)]
+    print(f"\nheld-out questions after step {args.lm_steps} ({results}; the same as")
+    print(f"  {shlex.join(['python', *rerun, '--mesh', args.mesh])}):")
+    print(report.table())
     run([py, "scripts/plot_run.py", str(lm)], env=env, capture=True)
-    lines = [json.loads(x) for x in results.read_text().splitlines()]
-    records, summary = lines[:-1], lines[-1]
-    shown = [r for r in records if r["condition"] == "model"]
+    summary = report.summary()
+    shown = [r for r in report.records if r["condition"] == "model"]
     print("\nsome held-out questions (ok = right):")
     for r in shown[:: max(1, len(shown) // 10)][:10]:
         mark = "ok " if r["correct"] else "   "

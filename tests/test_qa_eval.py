@@ -12,6 +12,7 @@ from lwm.cli import main as lwm
 from lwm.qa_eval import (
     Answer,
     BlindBaseline,
+    QAReport,
     Question,
     evaluate,
     normalise,
@@ -183,6 +184,11 @@ def test_table_lists_every_category_and_condition(tmp_path, held_out):
     report.write_jsonl(out)
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     assert len(lines) == 3 * 6 + 1 and lines[-1]["summary"] == "qa"
+    again = QAReport.read_jsonl(out)
+    assert again.table() == report.table() and again.summary() == report.summary()
+    (tmp_path / "bad.jsonl").write_text('{"condition": "model"}\n')
+    with pytest.raises(ValueError, match="not a QA report"):
+        QAReport.read_jsonl(tmp_path / "bad.jsonl")
 
 
 def test_eval_qa_bad_input_is_one_line(tmp_path, capsys):
