@@ -3,7 +3,7 @@ a world model trained with ring attention on 8 (simulated) devices -> answers to
 about videos it has never seen, scored against a model that never sees them.
 
     python scripts/demo.py                      # everything under runs/demo (README: time, numbers)
-    python scripts/demo.py --out runs/long --videos 8000 --lm-steps 1500   # the longer setting
+    python scripts/demo.py --out runs/long --videos 8000 --lm-steps 1500 --eval-every 250  # longer
 
 Each step is a command a user would type (printed before it runs) and is skipped or resumed
 when its output already exists, so rerunning the demo continues where it stopped:
