@@ -152,10 +152,6 @@ class TrainConfig(BaseModel):
     text_loss_weight: Annotated[float, Field(ge=0)] = 0.5
     vision_loss_weight: Annotated[float, Field(ge=0)] = 0.5
     init_from: str | None = None  # hf:DIR, lwm:PATH (params::PATH), orbax:DIR
-    # A VQGAN folder: a fresh run starts the vision embeddings of codes 0..K-1 as a fixed random
-    # projection of the VQGAN's code vectors (lwm.model.codebook_embeddings), so codes that look
-    # alike start alike; None: the usual random init.
-    vision_init: str | None = None
     log_every: PositiveInt = 10
     save_every: PositiveInt = 100
     max_to_keep: PositiveInt = 3

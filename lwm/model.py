@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -102,17 +101,6 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
     return (xf * cos + rotated * sin).astype(x.dtype)
-
-
-def codebook_embeddings(codebook: np.ndarray, hidden: int, std: float, seed: int = 0) -> np.ndarray:
-    """Vision embeddings ``[K, hidden]`` for codes ``0..K-1`` from a VQGAN's code vectors
-    ``[K, d]``: standardised, then projected by a fixed Gaussian matrix, so that each entry has
-    standard deviation ``std`` (the usual init scale) and distances between codes are kept up to
-    a common factor (a random projection to more dimensions nearly preserves them)."""
-    c = np.asarray(codebook, np.float64)
-    c = (c - c.mean(axis=0)) / max(float(c.std()), 1e-12)
-    proj = np.random.default_rng(seed).standard_normal((c.shape[1], hidden)) / np.sqrt(c.shape[1])
-    return (std * (c @ proj)).astype(np.float32)
 
 
 class LWMModel(nnx.Module):

@@ -421,27 +421,6 @@ def train(cfg: Config, *, log=None) -> TrainResult:
     return TrainResult(step=step, stopped_by=stopped_by)
 
 
-def _init_vision_from_vqgan(params, path: str, model_cfg, seed: int, log) -> None:
-    """Codes 0..K-1 of the vision embedding start from the VQGAN's code vectors
-    (`lwm.model.codebook_embeddings`); the rest (markers, padding) keep their random init."""
-    import vqgan
-    from lwm.model import codebook_embeddings
-
-    if not Path(path).exists():
-        raise TrainingError(f"train.vision_init: {path} does not exist")
-    codebook = vqgan.load_tokenizer(path).codebook()
-    w = params["embed_vision"][...]
-    if codebook.shape[0] > w.shape[0]:
-        raise TrainingError(
-            f"train.vision_init: {path} has {codebook.shape[0]} codes, more than the "
-            f"{w.shape[0]} vision embeddings"
-        )
-    rows = codebook_embeddings(codebook, w.shape[1], model_cfg.initializer_range, seed)
-    new = w.at[: rows.shape[0]].set(jnp.asarray(rows, w.dtype))
-    params["embed_vision"][...] = jax.device_put(new, w.sharding)
-    log(f"vision embeddings of codes 0..{rows.shape[0] - 1} from the codebook of {path}")
-
-
 def _initial_params(cfg, model_cfg, mesh, log):
     """Fresh sharded parameters, or those of ``train.init_from``: ``run:DIR`` (the newest
     checkpoint of an earlier `lwm train` run, e.g. the previous context stage), or any source
@@ -450,14 +429,7 @@ def _initial_params(cfg, model_cfg, mesh, log):
 
     source = cfg.train.init_from
     if not source:
-        params = nnx.state(create_model(model_cfg, mesh=mesh, seed=cfg.seed), nnx.Param)
-        if cfg.train.vision_init:
-            _init_vision_from_vqgan(params, cfg.train.vision_init, model_cfg, cfg.seed, log)
-        return params
-    if cfg.train.vision_init:
-        raise TrainingError(
-            "train.vision_init is for fresh runs; it cannot go with train.init_from"
-        )
+        return nnx.state(create_model(model_cfg, mesh=mesh, seed=cfg.seed), nnx.Param)
     log(f"initialising from {source}")
     if source.startswith("run:"):
         _, model = load_run(source[4:], mesh=mesh, log=log)

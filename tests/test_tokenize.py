@@ -14,7 +14,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from flax import nnx
 from tokenize_helpers import (
     CODES_PER_FRAME,
     GOOD_VIDEOS,
@@ -280,7 +279,6 @@ def test_train_runs_on_a_tokenized_dataset_and_evaluates_held_out_qa(
     overrides += ["train.seq_len=512", "train.steps=4", "train.batch_size=8"]
     overrides += ["train.progress=false", "train.log_every=1", "train.peak_flops=1e9"]
     overrides += [f"eval.manifest={held_out}", "eval.every=2", "eval.max_new_tokens=4"]
-    overrides += [f"train.vision_init={vqgan_dir}"]
     capsys.readouterr()
     assert lwm(["train", "--config", str(ROOT / "configs/tiny.yaml"), *overrides]) == 0
     err = capsys.readouterr().err
@@ -305,35 +303,6 @@ def test_train_runs_on_a_tokenized_dataset_and_evaluates_held_out_qa(
     )
     assert f"blind baseline from {synthetic}" in err
     assert "step 4: held-out QA accuracy" in err
-    assert f"vision embeddings of codes 0..63 from the codebook of {vqgan_dir}" in err
-
-
-def test_vision_init_starts_code_embeddings_from_the_vqgan_codebook(vqgan_dir):
-    import vqgan
-    from lwm.config import load_config
-    from lwm.mesh import make_mesh
-    from lwm.model import codebook_embeddings, create_model
-    from lwm.train import _init_vision_from_vqgan
-
-    cfg = load_config(ROOT / "configs/debug.yaml").model
-    mesh = make_mesh("1,2,2,2")
-    params = nnx.state(create_model(cfg, mesh=mesh, seed=0), nnx.Param)
-    before = np.asarray(params["embed_vision"][...])
-    sharding = params["embed_vision"][...].sharding
-    _init_vision_from_vqgan(params, str(vqgan_dir), cfg, 0, lambda msg: None)
-    after = params["embed_vision"][...]
-    codebook = vqgan.load_tokenizer(vqgan_dir).codebook()
-    assert codebook.shape == (64, 8)
-    rows = codebook_embeddings(codebook, cfg.hidden_size, cfg.initializer_range, 0)
-    np.testing.assert_array_equal(np.asarray(after)[:64], rows)
-    np.testing.assert_array_equal(np.asarray(after)[64:], before[64:])  # markers keep theirs
-    assert after.sharding == sharding
-    # the init scale, and the codebook's geometry: distances between codes kept up to a factor
-    assert np.std(rows) == pytest.approx(cfg.initializer_range, rel=0.2)
-    d_code = np.linalg.norm(codebook[:, None] - codebook[None], axis=-1)
-    d_row = np.linalg.norm(rows[:, None] - rows[None], axis=-1)
-    iu = np.triu_indices(64, 1)
-    assert np.corrcoef(d_code[iu], d_row[iu])[0, 1] > 0.9
 
 
 def _qa_lines(manifest: Path) -> list[dict]:

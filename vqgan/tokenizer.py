@@ -78,10 +78,6 @@ class VideoTokenizer:
     def codebook_size(self) -> int:
         return self.config.num_embeddings
 
-    def codebook(self) -> np.ndarray:
-        """The code vectors, float32 ``[codebook_size, embed_dim]`` (row ``i`` is code ``i``)."""
-        return np.asarray(self._params["quantizer"]["embeddings"][...], np.float32)
-
     # -- the jitted per-chunk programs (for benchmarks: device arrays in, device arrays out) --
 
     def encode_chunk(self, frames: jax.Array) -> jax.Array:
