@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from data.decode import sample_indices
-from data.manifest import Item, ManifestError, read_inputs
+from data.manifest import Item, ManifestError, QATurn, read_inputs
 from data.tokens import EOF_ID, EOV_ID, TextCodec, build_example, vision_span
 
 
@@ -92,7 +92,7 @@ def test_manifest_lines_and_relative_paths(tmp_path):
     items = read_inputs(path)
     assert items == [
         Item("video", str(tmp_path / "v/a.mp4"), text="cap"),
-        Item("video", "/abs/b.mp4", qa=(("q", "a"),)),
+        Item("video", "/abs/b.mp4", qa=(QATurn("q", "a"),)),
         Item("image", str(tmp_path / "i.png")),
         Item("text", None, text="just text"),
     ]
