@@ -47,8 +47,11 @@ def _tiny_model_cfg(**update) -> VQGANModelConfig:
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
 def test_presets_load(path: Path) -> None:
-    cfg = load_vqgan_config(path)
-    assert path.read_text().startswith(f"# lwm vqgan train --config configs/vqgan/{path.name}\n")
+    """Each preset starts with the command that trains it, and that command's config loads."""
+    command = path.read_text().splitlines()[0].split()
+    assert command[:5] == ["#", "lwm", "vqgan", "train", "--config"]
+    assert command[5] == f"configs/vqgan/{path.name}"
+    cfg = load_vqgan_config(path, command[6:])  # key=value overrides, e.g. data.manifest
     assert cfg.model.tokens_per_frame == cfg.model.codes_per_side**2
 
 
