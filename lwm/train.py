@@ -146,27 +146,22 @@ class QAEvaluator:
     kept as ``OUTPUT/eval/qa-STEP.jsonl``."""
 
     def __init__(self, cfg: Config, graphdef, output: Path, log):
-        from data.tokens import TextCodec
         from lwm.qa_eval import BlindBaseline, read_questions
-        from lwm.vision_qa import TrainingInputs, VideoQA
-        from vqgan import load_tokenizer
+        from lwm.vision_qa import TrainingInputs, video_qa_for
 
         ec = cfg.eval
         assert ec.manifest is not None
         inputs = TrainingInputs.of(cfg.data.source)
-        vqgan = ec.vqgan or inputs.get("vqgan")
-        if not vqgan:
+        if not (ec.vqgan or inputs.get("vqgan")):
             raise TrainingError("eval.manifest needs eval.vqgan: the dataset names no VQGAN")
         self.questions = read_questions(ec.manifest)
         train_manifest = ec.train_manifest or inputs.get("manifest")
         self.blind = BlindBaseline.from_manifest(train_manifest) if train_manifest else None
         self.graphdef, self.swap, self.output = graphdef, ec.swap, output
-        self.qa = VideoQA(
+        self.qa = video_qa_for(
             None,  # the model of the current parameters, set at each evaluation
-            TextCodec.load(inputs.get("tokenizer")),
-            load_tokenizer(vqgan),
-            max_frames=inputs.get("max_frames"),
-            fps=inputs.get("fps"),
+            inputs,
+            ec.vqgan,
             max_new_tokens=ec.max_new_tokens,
             batch_size=ec.batch_size,
         )

@@ -179,10 +179,8 @@ def load_video_qa(
     """A `VideoQA` for ``model`` (``run:DIR``, or a `lwm.weights.load_model` source with the
     model ``config`` file), and what its training dataset records. The VQGAN, the tokenizer and
     the frame sampling default to the training dataset's; ``options`` go to `VideoQA`."""
-    from data.tokens import TextCodec
     from lwm.config import load_config
     from lwm.weights import load_model
-    from vqgan import load_tokenizer
 
     if model.startswith("run:"):
         from lwm.runs import load_run
@@ -194,15 +192,33 @@ def load_video_qa(
         cfg = load_config(config)
         lm = load_model(model, cfg.model, mesh=mesh)
     inputs = TrainingInputs.of(cfg.data.source)
+    if max_frames is None and fps is None and "dataset" in inputs:
+        log(
+            f"sampling videos as the training dataset {inputs['dataset']} was: "
+            f"max_frames={inputs.get('max_frames')}, fps={inputs.get('fps')}"
+        )
+    qa = video_qa_for(lm, inputs, vqgan, tokenizer, max_frames, fps, **options)
+    return qa, inputs
+
+
+def video_qa_for(
+    model: Any,
+    inputs: TrainingInputs,
+    vqgan: str | None = None,
+    tokenizer: str | None = None,
+    max_frames: int | None = None,
+    fps: float | None = None,
+    **options: Any,
+) -> VideoQA:
+    """A `VideoQA` whose VQGAN, text tokenizer and frame sampling default to those of the
+    training dataset described by ``inputs``; ``options`` go to `VideoQA`."""
+    from data.tokens import TextCodec
+    from vqgan import load_tokenizer
+
     vqgan = vqgan or inputs.get("vqgan")
     if not vqgan:
         raise ValueError("a VQGAN is needed (--vqgan): the model's training dataset names none")
-    if max_frames is None and fps is None and "dataset" in inputs:
+    if max_frames is None and fps is None:
         max_frames, fps = inputs.get("max_frames"), inputs.get("fps")
-        log(
-            f"sampling videos as the training dataset {inputs['dataset']} was: "
-            f"max_frames={max_frames}, fps={fps}"
-        )
     codec = TextCodec.load(tokenizer or inputs.get("tokenizer"))
-    qa = VideoQA(lm, codec, load_tokenizer(vqgan), max_frames=max_frames, fps=fps, **options)
-    return qa, inputs
+    return VideoQA(model, codec, load_tokenizer(vqgan), max_frames=max_frames, fps=fps, **options)
