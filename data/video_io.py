@@ -58,7 +58,35 @@ def read_video(path: str | os.PathLike, max_frames: int | None = None) -> np.nda
         indices = list(range(total))
     else:
         indices = np.linspace(0, total - 1, max_frames, dtype=int).tolist()
-    return reader.get_batch(indices).asnumpy()
+    height, width = reader[0].shape[:2]
+    try:
+        frames = reader.get_batch(indices).asnumpy()
+    except decord.DECORDError:
+        frames = None
+    if frames is None or frames.shape[1:] != (height, width, 3):
+        # decord copies rows with the decoder's padded line size for some widths (16, 24, 48:
+        # 4 or 6 bytes per pixel instead of 3) and fails or returns garbage; PyAV does not.
+        frames = _read_with_pyav(path, indices)
+    return frames
+
+
+def _read_with_pyav(path: Path, indices: list[int]) -> np.ndarray:
+    import av
+
+    wanted = set(indices)
+    try:
+        with av.open(str(path)) as container:
+            decoded = [
+                frame.to_ndarray(format="rgb24")
+                for i, frame in enumerate(container.decode(video=0))
+                if i in wanted
+            ]
+    except av.error.FFmpegError as e:
+        raise VideoError(f"cannot read video '{path}': {e}") from None
+    by_index = dict(zip(sorted(wanted), decoded, strict=False))
+    if len(by_index) < len(wanted):
+        raise VideoError(f"video '{path}' has fewer frames than its header says")
+    return np.stack([by_index[i] for i in indices])
 
 
 @contextmanager

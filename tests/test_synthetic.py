@@ -132,3 +132,23 @@ def test_bad_video_is_one_clear_error(tmp_path: Path) -> None:
     with pytest.raises(VideoError, match="even frame sizes"):
         write_mp4(tmp_path / "odd.mp4", np.zeros((2, 15, 16, 3), np.uint8))
     assert not (tmp_path / "odd.mp4").exists()
+
+
+@pytest.mark.parametrize("width", [48, 24, 40])
+def test_widths_that_decord_misreads_come_back_right(tmp_path: Path, width: int) -> None:
+    # decord 0.6 copies rows of some widths (16, 24, 48) with the decoder's padded line size
+    # and fails in get_batch; read_video must return what FFmpeg decodes (read here by PyAV).
+    import av
+
+    frames = np.zeros((5, width, width, 3), np.uint8)
+    frames[:, :, : width // 2, 0] = 200
+    frames[:, : width // 3, :, 2] = 150
+    frames[2, width // 2 :, width // 2 :, 1] = 250
+    path = tmp_path / f"w{width}.mp4"
+    write_mp4(path, frames, fps=4)
+    with av.open(str(path)) as container:
+        decoded = np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
+    got = read_video(path)
+    assert got.shape == (5, width, width, 3)
+    np.testing.assert_array_equal(got, decoded)
+    np.testing.assert_array_equal(read_video(path, max_frames=3), decoded[[0, 2, 4]])
