@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from data.manifest import Item
+from data.video_io import frames_at
 
 __all__ = ["Decoded", "DecodeOptions", "decode_item", "sample_indices"]
 
@@ -134,7 +135,7 @@ def _read_video(path: Path, options: DecodeOptions) -> tuple[np.ndarray, int]:
         group = indices[start : start + _RESIZE_GROUP]
         try:
             with _quiet_stderr():
-                frames = reader.get_batch(group).asnumpy()
+                frames = frames_at(reader, path, group)
         except Exception as e:
             problem = " ".join(str(e).split(": ")[-1].split())[:200]
             raise DecodeError(

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["VideoError", "read_video", "write_mp4", "write_png"]
+__all__ = ["VideoError", "frames_at", "read_video", "write_mp4", "write_png"]
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
 
@@ -58,16 +58,23 @@ def read_video(path: str | os.PathLike, max_frames: int | None = None) -> np.nda
         indices = list(range(total))
     else:
         indices = np.linspace(0, total - 1, max_frames, dtype=int).tolist()
-    height, width = reader[0].shape[:2]
+    return frames_at(reader, path, indices)
+
+
+def frames_at(reader: object, path: Path, indices: list[int]) -> np.ndarray:
+    """Frames ``indices`` of ``path`` as uint8 ``[N, H, W, 3]``, read with its open decord
+    ``reader``. For some widths (16, 24, 48) decord copies rows with the decoder's padded line
+    size and fails; those frames are decoded with PyAV instead. A file neither can decode is
+    a `VideoError` naming it."""
+    import decord
+
     try:
-        frames = reader.get_batch(indices).asnumpy()
+        frames = reader.get_batch(indices).asnumpy()  # type: ignore[attr-defined]
+        if frames.ndim == 4 and frames.shape[-1] == 3:
+            return frames
     except decord.DECORDError:
-        frames = None
-    if frames is None or frames.shape[1:] != (height, width, 3):
-        # decord copies rows with the decoder's padded line size for some widths (16, 24, 48:
-        # 4 or 6 bytes per pixel instead of 3) and fails or returns garbage; PyAV does not.
-        frames = _read_with_pyav(path, indices)
-    return frames
+        pass
+    return _read_with_pyav(path, indices)
 
 
 def _read_with_pyav(path: Path, indices: list[int]) -> np.ndarray:
@@ -82,7 +89,8 @@ def _read_with_pyav(path: Path, indices: list[int]) -> np.ndarray:
                 if i in wanted
             ]
     except av.error.FFmpegError as e:
-        raise VideoError(f"cannot read video '{path}': {e}") from None
+        problem = " ".join(str(e).split())[:200]
+        raise VideoError(f"cannot read video '{path}': {problem}") from None
     by_index = dict(zip(sorted(wanted), decoded, strict=False))
     if len(by_index) < len(wanted):
         raise VideoError(f"video '{path}' has fewer frames than its header says")

@@ -152,3 +152,11 @@ def test_widths_that_decord_misreads_come_back_right(tmp_path: Path, width: int)
     assert got.shape == (5, width, width, 3)
     np.testing.assert_array_equal(got, decoded)
     np.testing.assert_array_equal(read_video(path, max_frames=3), decoded[[0, 2, 4]])
+    # lwm tokenize reads through the same path (data.decode).
+    from data.decode import DecodeOptions, decode_item
+    from data.manifest import Item
+
+    item = decode_item(0, Item("video", str(path)), DecodeOptions(resolution=width))
+    assert item.error is None and item.frames.shape == (5, width, width, 3)
+    # resized to its own size: the frames PyAV decodes, up to rounding
+    assert np.abs(item.frames.astype(int) - decoded).max() <= 1
