@@ -11,11 +11,9 @@ saved with every checkpoint, so a resumed run sees exactly the batches it would 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
-
-from lwm.loss import next_token_targets
 
 BATCH_FIELDS: dict[str, Any] = {
     "tokens": np.int32,
@@ -26,6 +24,41 @@ BATCH_FIELDS: dict[str, Any] = {
     "target_is_vision": np.bool_,
     "target_weight": np.float32,
 }
+
+
+class Targets(NamedTuple):
+    tokens: Any  # [batch, seq] int32: the token to predict at each position
+    is_vision: Any  # [batch, seq] bool: the target is a vision token
+    weight: Any  # [batch, seq] float32: 1 where the position is trained, else 0
+
+
+def next_token_targets(
+    tokens,
+    vision_mask,
+    loss_mask,
+    segment_ids=None,
+    *,
+    xp: Any = np,
+) -> Targets:
+    """Targets for every position of ``[batch, seq]`` streams in their original order.
+
+    The target of position t is token t+1 when t+1 is trained (``loss_mask``) and, given
+    segment ids, in the same segment; segment id 0 is padding and never has a target.
+    ``xp`` is ``numpy`` (the data loaders build targets on the host) or ``jax.numpy``.
+    """
+
+    def shift(x, fill):
+        return xp.concatenate([x[:, 1:], xp.full_like(x[:, :1], fill)], axis=1)
+
+    weight = shift(xp.asarray(loss_mask, xp.float32), 0.0)
+    if segment_ids is not None:
+        same_doc = (shift(segment_ids, -1) == segment_ids) & (segment_ids != 0)
+        weight = weight * same_doc.astype(xp.float32)
+    return Targets(
+        tokens=shift(xp.asarray(tokens, xp.int32), 0),
+        is_vision=shift(xp.asarray(vision_mask, bool), False),
+        weight=weight,
+    )
 
 
 class Loader(Protocol):

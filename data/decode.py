@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from data.manifest import Item
-from data.video_io import frames_at
+from lwm.base.media import frames_at
 
 __all__ = ["Decoded", "DecodeOptions", "decode_item", "sample_indices"]
 
@@ -168,7 +168,7 @@ def _quiet_stderr() -> Iterator[None]:
 def _resize_fn(size: int):
     import jax
 
-    from vqgan.preprocess import resize_and_crop
+    from vqgan import resize_and_crop
 
     return jax.jit(lambda x: resize_and_crop(x, size))
 

@@ -372,7 +372,7 @@ def write_dataset(
     ``manifest.jsonl`` (see the module docstring); returns the manifest's path. ``world``:
     `sample_video`'s ``max_objects``, ``radius``, ``travel``. ``captions=False`` leaves the
     caption lines out of the manifest (``videos.jsonl`` still has every caption)."""
-    from data.video_io import write_mp4
+    from lwm.base.media import write_mp4
 
     out = Path(out)
     (out / "videos").mkdir(parents=True, exist_ok=True)

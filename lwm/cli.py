@@ -7,8 +7,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from lwm.base.mesh import MeshError
 from lwm.config import ConfigError
-from lwm.mesh import MeshError
 
 # verb -> (module with `add_arguments(parser)` and `run(args) -> int`, one-line help).
 # Modules are imported only when their verb runs, so a verb pays only for its own imports.

@@ -1,16 +1,22 @@
-"""Typed, validated configuration: YAML files with `base:` inheritance and `key=value` overrides."""
+"""The language model's config: the model, the mesh, and the sections of `lwm train`, `lwm
+eval` and friends (`Config`), loaded from YAML by the base's `lwm.base.config.load_config`."""
 
 from __future__ import annotations
 
-import types
-import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar, overload
+from typing import Annotated, Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-from pydantic.fields import FieldInfo
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from lwm.base import config as base_config
+from lwm.base.config import (
+    ConfigError,
+    MeshConfig,
+    PositiveFloat,
+    PositiveInt,
+    config_to_yaml,
+)
 
 __all__ = [
     "Config",
@@ -23,10 +29,9 @@ __all__ = [
     "ModelConfig",
     "config_to_yaml",
     "load_config",
+    "validate_config",
 ]
 
-PositiveInt = Annotated[int, Field(gt=0)]
-PositiveFloat = Annotated[float, Field(gt=0)]
 DType = Literal["float32", "bfloat16", "float16"]
 RematPolicy = Literal[
     "none",
@@ -35,10 +40,6 @@ RematPolicy = Literal[
     "dots_with_no_batch_dims_saveable",
     "everything_saveable",
 ]
-
-
-class ConfigError(ValueError):
-    """A config file, override or value is invalid; the message names the key and the problem."""
 
 
 class ModelConfig(BaseModel):
@@ -113,22 +114,6 @@ class ModelConfig(BaseModel):
         """Width of the concatenated key (or value) heads."""
         assert self.head_dim is not None
         return self.num_kv_heads * self.head_dim
-
-
-class MeshConfig(BaseModel):
-    """Device mesh over the axes (dp, fsdp, sp, tp); one -1 takes the remaining devices."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    shape: str = "1,-1,1,1"
-
-    @field_validator("shape", mode="before")
-    @classmethod
-    def _join_sequence(cls, value: Any) -> Any:
-        # Accept `shape: [1, -1, 4, 1]` in YAML as well as the string form.
-        if isinstance(value, list | tuple):
-            return ",".join(str(v) for v in value)
-        return value
 
 
 class TrainConfig(BaseModel):
@@ -216,193 +201,11 @@ class Config(BaseModel):
 # Loading
 
 
-RootT = TypeVar("RootT", bound=BaseModel)
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
+    """Load a language-model config file (following `base:` links) with `a.b=value` overrides."""
+    return base_config.load_config(path, overrides, Config)
 
 
-@overload
-def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config: ...
-@overload
-def load_config(path: str | Path, overrides: Sequence[str], root: type[RootT]) -> RootT: ...
-def load_config(
-    path: str | Path, overrides: Sequence[str] = (), root: type[BaseModel] = Config
-) -> BaseModel:
-    """Load a YAML config (following `base:` links), apply `a.b=value` overrides, validate.
-
-    `root` is the config class of the file (default `Config`; e.g. `vqgan.config.VQGANConfig`)."""
-    data = _load_yaml_with_base(Path(path), ())
-    for override in overrides:
-        _apply_override(data, override, root)
-    return validate_config(data, root)
-
-
-@overload
-def validate_config(data: Mapping[str, Any]) -> Config: ...
-@overload
-def validate_config(data: Mapping[str, Any], root: type[RootT]) -> RootT: ...
-def validate_config(data: Mapping[str, Any], root: type[BaseModel] = Config) -> BaseModel:
-    """Validate a plain dict into `root`, turning pydantic errors into one `ConfigError`."""
-    try:
-        return root.model_validate(data)
-    except ValidationError as e:
-        raise ConfigError("; ".join(_format_error(err, root) for err in e.errors())) from None
-
-
-def config_to_yaml(config: BaseModel) -> str:
-    """The resolved config as YAML, in field order."""
-    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
-
-
-def _load_yaml_with_base(path: Path, chain: tuple[Path, ...]) -> dict[str, Any]:
-    resolved = path.resolve()
-    if resolved in chain:
-        cycle = " -> ".join(str(p) for p in (*chain, resolved))
-        raise ConfigError(f"config file '{path}': circular 'base' chain: {cycle}")
-    if not path.is_file():
-        raise ConfigError(f"config file '{path}' not found")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        problem = " ".join(str(e).split())
-        raise ConfigError(f"config file '{path}' is not valid YAML: {problem}") from None
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(
-            f"config file '{path}' must contain a mapping at the top level, "
-            f"got {type(data).__name__}"
-        )
-    base = data.pop("base", None)
-    if base is None:
-        return data
-    if not isinstance(base, str):
-        raise ConfigError(f"config file '{path}': 'base' must be a file name, got {base!r}")
-    parent = _load_yaml_with_base(path.parent / base, (*chain, resolved))
-    return _deep_merge(parent, data)
-
-
-def _deep_merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
-    merged = dict(base)
-    for key, value in update.items():
-        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
-            merged[key] = _deep_merge(dict(merged[key]), value)
-        else:
-            merged[key] = value
-    return merged
-
-
-def _apply_override(data: dict[str, Any], override: str, root: type[BaseModel] = Config) -> None:
-    key, sep, raw = override.partition("=")
-    key = key.strip()
-    parts = key.split(".")
-    if not sep or not key or any(not p for p in parts):
-        raise ConfigError(
-            f"malformed override '{override}': expected KEY=VALUE, e.g. model.num_layers=4"
-        )
-    field = _field_at(parts, root)
-    if field is not None and _is_str_field(field):
-        value: Any = raw
-    else:
-        try:
-            value = yaml.safe_load(raw)
-        except yaml.YAMLError:
-            value = raw
-    node = data
-    for i, part in enumerate(parts[:-1]):
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            prefix = ".".join(parts[: i + 1])
-            raise ConfigError(
-                f"override '{override}': config key '{prefix}' is a value, not a section"
-            )
-        node = child
-    node[parts[-1]] = value
-
-
-# ---------------------------------------------------------------------------------------------
-# Error messages
-
-
-def _field_at(parts: Sequence[str], root: type[BaseModel] = Config) -> FieldInfo | None:
-    """The pydantic field at a dotted path under `root`, or None if there is none."""
-    model: type[BaseModel] | None = root
-    field = None
-    for part in parts:
-        if model is None or part not in model.model_fields:
-            return None
-        field = model.model_fields[part]
-        model = _model_class(field.annotation)
-    return field
-
-
-def _model_class(annotation: Any) -> type[BaseModel] | None:
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    return None
-
-
-def _is_str_field(field: FieldInfo) -> bool:
-    ann = field.annotation
-    return ann is str or str in _union_args(ann)
-
-
-def _union_args(annotation: Any) -> tuple[Any, ...]:
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        return typing.get_args(annotation)
-    return ()
-
-
-def _describe_type(annotation: Any) -> str:
-    if typing.get_origin(annotation) is Annotated:
-        return _describe_type(typing.get_args(annotation)[0])
-    if typing.get_origin(annotation) is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(annotation))
-    args = _union_args(annotation)
-    if args:
-        return " or ".join(_describe_type(a) for a in args)
-    if annotation is type(None):
-        return "null"
-    if model := _model_class(annotation):
-        return f"a mapping ({model.__name__})"
-    return getattr(annotation, "__name__", str(annotation))
-
-
-def _known_prefix(loc: Sequence[Any], root: type[BaseModel] = Config) -> list[str]:
-    """The longest prefix of an error location that is a path of fields (drops union tags)."""
-    model: type[BaseModel] | None = root
-    path: list[str] = []
-    for part in loc:
-        if model is None or not isinstance(part, str) or part not in model.model_fields:
-            break
-        path.append(part)
-        model = _model_class(model.model_fields[part].annotation)
-    return path
-
-
-def _format_error(err: Mapping[str, Any], root: type[BaseModel] = Config) -> str:
-    kind = err["type"]
-    loc = _known_prefix(err["loc"], root)
-    if kind == "extra_forbidden":
-        loc.append(str(err["loc"][len(loc)]))
-    key = ".".join(loc)
-    if kind == "extra_forbidden":
-        parent = _model_at(loc[:-1], root)
-        where = f"in '{'.'.join(loc[:-1])}'" if len(loc) > 1 else "at the top level"
-        valid = ", ".join(sorted(parent.model_fields)) if parent else "(none)"
-        return f"unknown config key '{key}'; valid keys {where}: {valid}"
-    if kind == "missing":
-        return f"missing required config key '{key}'"
-    msg = str(err["msg"]).removeprefix("Value error, ")
-    field = _field_at(loc, root)
-    if kind.startswith("value_error") or kind == "assertion_error" or field is None:
-        return f"invalid config '{key or '<root>'}': {msg}"
-    expected = _describe_type(field.annotation)
-    return (
-        f"invalid value for config key '{key}': {err.get('input')!r} (expected {expected}): {msg}"
-    )
-
-
-def _model_at(parts: Sequence[str], root: type[BaseModel] = Config) -> type[BaseModel] | None:
-    if not parts:
-        return root
-    field = _field_at(parts, root)
-    return _model_class(field.annotation) if field is not None else None
+def validate_config(data: Mapping[str, Any]) -> Config:
+    """Validate a plain dict into `Config` (one `ConfigError` naming the keys at fault)."""
+    return base_config.validate_config(data, Config)

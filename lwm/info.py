@@ -10,8 +10,8 @@ import math
 from collections.abc import Mapping
 from typing import NamedTuple
 
+from lwm.base.mesh import logical_to_spec, shard_bytes
 from lwm.config import ModelConfig
-from lwm.mesh import logical_to_spec, shard_bytes
 
 __all__ = [
     "DTYPE_BYTES",

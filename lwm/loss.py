@@ -1,6 +1,6 @@
 """LWM's modality-balanced next-token loss and per-modality accuracy.
 
-Targets are made in the original token order (`next_token_targets`), before any permutation
+Targets are made in the original token order (`data.batches.next_token_targets`), before any permutation
 of the sequence (zigzag), so "next token" always means the next token of the same document:
 a target is dropped where the following token belongs to another segment, at the end of the
 sequence, and where ``loss_mask`` of the target is 0 (prompts, questions, padding).
@@ -11,45 +11,10 @@ vision targets (vision head), combined with weights (LWM: 0.5 and 0.5).
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 
-
-class Targets(NamedTuple):
-    tokens: jax.Array  # [batch, seq] int32: the token to predict at each position
-    is_vision: jax.Array  # [batch, seq] bool: the target is a vision token
-    weight: jax.Array  # [batch, seq] float32: 1 where the position is trained, else 0
-
-
-def next_token_targets(
-    tokens,
-    vision_mask,
-    loss_mask,
-    segment_ids=None,
-    *,
-    xp=jnp,
-) -> Targets:
-    """Targets for every position of ``[batch, seq]`` streams in their original order.
-
-    The target of position t is token t+1 when t+1 is trained (``loss_mask``) and, given
-    segment ids, in the same segment; segment id 0 is padding and never has a target.
-    ``xp`` is ``jax.numpy`` or ``numpy`` (the data loaders build targets on the host).
-    """
-
-    def shift(x, fill):
-        return xp.concatenate([x[:, 1:], xp.full_like(x[:, :1], fill)], axis=1)
-
-    weight = shift(xp.asarray(loss_mask, xp.float32), 0.0)
-    if segment_ids is not None:
-        same_doc = (shift(segment_ids, -1) == segment_ids) & (segment_ids != 0)
-        weight = weight * same_doc.astype(xp.float32)
-    return Targets(
-        tokens=shift(xp.asarray(tokens, xp.int32), 0),
-        is_vision=shift(xp.asarray(vision_mask, bool), False),
-        weight=weight,
-    )
+from data.batches import Targets
 
 
 def _cross_entropy(logits: jax.Array, targets: jax.Array, weight: jax.Array):

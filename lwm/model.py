@@ -20,9 +20,9 @@ from jax.sharding import PartitionSpec as P
 
 from data.tokens import EOF_ID, EOV_ID
 from lwm.attention import blockwise_attention, dense_attention, ring_attention
+from lwm.base.mesh import logical_sharding, logical_to_spec
 from lwm.config import ModelConfig
 from lwm.info import ParamSpec, layer_param_specs, param_specs
-from lwm.mesh import logical_sharding, logical_to_spec
 
 REMAT_POLICIES = {
     "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
@@ -375,6 +375,21 @@ def state_shardings(state: nnx.State, mesh: Mesh) -> nnx.State:
         return NamedSharding(mesh, logical_to_spec(axes) if axes else P())
 
     return jax.tree.map(sharding, state, is_leaf=_is_variable)
+
+
+def abstract_params(cfg: ModelConfig, mesh: Mesh) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graphdef, parameters) of the model with `jax.ShapeDtypeStruct` leaves that carry their
+    shardings on ``mesh``: what checkpoints restore into."""
+    abstract_model = nnx.eval_shape(lambda: LWMModel(cfg, rngs=nnx.Rngs(0), mesh=mesh))
+    graphdef, params = nnx.split(abstract_model, nnx.Param)
+    shardings = state_shardings(params, mesh)
+    params = jax.tree.map(
+        lambda v, s: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s)),
+        params,
+        shardings,
+        is_leaf=_is_variable,
+    )
+    return graphdef, params
 
 
 def create_model(cfg: ModelConfig, *, mesh: Mesh | None = None, seed: int = 0) -> LWMModel:

@@ -1,6 +1,7 @@
 """Training runs on disk: ``OUTPUT/config.yaml`` (the resolved config) and
 ``OUTPUT/checkpoints/STEP`` (orbax: parameters, AdamW state, and JSON metadata with the step
-and the data loader's position).
+and the data loader's position). The optimizer is training's (`lwm.train_step`); this module
+only knows that the state holds ``params`` and ``opt_state``.
 
 `load_run` gives back the model of a run's newest restorable checkpoint, for the next context
 stage (``train.init_from=run:DIR``), for inference, or for `lwm.weights.load_model`.
@@ -14,33 +15,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 import jax
-import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from lwm.config import Config, TrainConfig, load_config
-from lwm.model import LWMModel
-from lwm.train_step import abstract_train_state, make_optimizer
+from lwm.config import Config, load_config
+from lwm.model import LWMModel, abstract_params
 
 Log = Callable[[str], None]
 
 
 def _stderr(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def optimizer_from_config(tc: TrainConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    return make_optimizer(
-        tc.learning_rate,
-        warmup_steps=tc.warmup_steps,
-        total_steps=tc.steps,
-        schedule=tc.schedule,
-        end_learning_rate=tc.end_learning_rate,
-        weight_decay=tc.weight_decay,
-        b1=tc.b1,
-        b2=tc.b2,
-        clip_norm=tc.clip_norm,
-    )
 
 
 def checkpoint_manager(directory: Path, cfg: Config):
@@ -67,13 +52,14 @@ def save_checkpoint(manager, step: int, params, opt_state, meta: dict) -> None:
     )
 
 
-def restore_newest(manager, abstract_state: dict, log: Log = _stderr):
+def restore_newest(manager, abstract_state: dict, log: Log = _stderr, *, partial: bool = False):
     """``(step, state, meta)`` of the newest checkpoint that restores, or None. Damaged ones
     are reported and renamed ``STEP.damaged-TIME`` (kept for inspection, out of the way of the
-    steps about to be redone)."""
+    steps about to be redone). ``partial``: restore only the entries of ``abstract_state``
+    (e.g. the parameters without the optimizer state)."""
     damaged: list[int] = []
     try:
-        return _first_restorable(manager, abstract_state, log, damaged)
+        return _first_restorable(manager, abstract_state, log, damaged, partial)
     finally:
         if damaged:
             if jax.process_index() == 0:
@@ -83,16 +69,22 @@ def restore_newest(manager, abstract_state: dict, log: Log = _stderr):
             manager.reload()
 
 
-def _first_restorable(manager, abstract_state, log: Log, damaged: list[int]):
+def _first_restorable(manager, abstract_state, log: Log, damaged: list[int], partial: bool):
     import orbax.checkpoint as ocp
 
+    if partial:
+        restore_args = jax.tree.map(
+            lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), abstract_state
+        )
+        state_args = ocp.args.PyTreeRestore(
+            item=abstract_state, restore_args=restore_args, partial_restore=True
+        )
+    else:
+        state_args = ocp.args.StandardRestore(abstract_state)
     for step in sorted(manager.all_steps(), reverse=True):
         try:
             restored = manager.restore(
-                step,
-                args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()
-                ),
+                step, args=ocp.args.Composite(state=state_args, meta=ocp.args.JsonRestore())
             )
         except Exception as e:  # orbax raises many types for a truncated or missing file
             reason = " ".join(str(e).split())[:300]
@@ -111,8 +103,8 @@ def load_run(
 ) -> tuple[Config, LWMModel]:
     """The config and model of the newest restorable checkpoint of an `lwm train` run.
 
-    The optimizer state is restored too (its structure comes from the run's own config) and
-    dropped. With ``mesh`` the parameters land in its shardings; without, on one device.
+    Only the parameters are read (not the optimizer state). With ``mesh`` they land in its
+    shardings; without, on one device.
     """
     run_dir = Path(run_dir)
     config_file, checkpoints = run_dir / "config.yaml", run_dir / "checkpoints"
@@ -122,16 +114,15 @@ def load_run(
         )
     cfg = load_config(config_file)
     if mesh is None:
-        from lwm.mesh import make_mesh
+        from lwm.base.mesh import make_mesh
 
         mesh_for_restore = make_mesh("1,1,1,1", devices=jax.devices()[:1])
     else:
         mesh_for_restore = mesh
-    tx, _ = optimizer_from_config(cfg.train)
-    graphdef, abs_params, abs_opt = abstract_train_state(cfg.model, mesh_for_restore, tx)
+    graphdef, abs_params = abstract_params(cfg.model, mesh_for_restore)
     manager = checkpoint_manager(checkpoints, cfg)
     try:
-        found = restore_newest(manager, {"params": abs_params, "opt_state": abs_opt}, log)
+        found = restore_newest(manager, {"params": abs_params}, log, partial=True)
     finally:
         manager.close()
     if found is None:

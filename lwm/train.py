@@ -34,17 +34,21 @@ from jax.sharding import PartitionSpec as P
 
 from data.batches import Loader, SyntheticTokenLoader
 from lwm.attention.layout import zigzag_permutation
+from lwm.base.mesh import MeshError, check_batch_fits, make_mesh
 from lwm.config import Config, DistributedConfig, config_to_yaml
 from lwm.info import flops_per_token
-from lwm.mesh import MeshError, check_batch_fits, make_mesh
 from lwm.runs import (
     checkpoint_manager,
     load_run,
-    optimizer_from_config,
     restore_newest,
     save_checkpoint,
 )
-from lwm.train_step import abstract_train_state, batch_sharding, train_step
+from lwm.train_step import (
+    abstract_train_state,
+    batch_sharding,
+    optimizer_from_config,
+    train_step,
+)
 
 
 class TrainingError(RuntimeError):

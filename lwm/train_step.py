@@ -16,10 +16,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from data.batches import BATCH_FIELDS
-from lwm.config import ModelConfig
+from lwm.base.mesh import logical_to_spec
+from lwm.config import ModelConfig, TrainConfig
 from lwm.loss import Targets, loss_from_sums, loss_sums, target_counts
-from lwm.mesh import logical_to_spec
-from lwm.model import LWMModel, state_shardings
+from lwm.model import LWMModel, abstract_params
 
 
 def make_optimizer(
@@ -177,15 +177,7 @@ def train_step(
 
 def abstract_train_state(cfg: ModelConfig, mesh: Mesh, tx: optax.GradientTransformation):
     """(graphdef, params, opt_state) with `jax.ShapeDtypeStruct` leaves carrying shardings."""
-    abstract_model = nnx.eval_shape(lambda: LWMModel(cfg, rngs=nnx.Rngs(0), mesh=mesh))
-    graphdef, params = nnx.split(abstract_model, nnx.Param)
-    shardings = state_shardings(params, mesh)
-    params = jax.tree.map(
-        lambda v, s: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s)),
-        params,
-        shardings,
-        is_leaf=lambda x: isinstance(x, nnx.Variable),
-    )
+    graphdef, params = abstract_params(cfg, mesh)
     # Optimizer moments take their parameter's sharding; counts and other scalars replicate.
     replicated = NamedSharding(mesh, P())
     opt_state = optax.tree_utils.tree_map_params(
@@ -204,3 +196,17 @@ def abstract_batch(mesh: Mesh, batch_size: int, seq_len: int) -> dict:
         k: jax.ShapeDtypeStruct((batch_size, seq_len), dt, sharding=sharding)
         for k, dt in BATCH_FIELDS.items()
     }
+
+
+def optimizer_from_config(tc: TrainConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    return make_optimizer(
+        tc.learning_rate,
+        warmup_steps=tc.warmup_steps,
+        total_steps=tc.steps,
+        schedule=tc.schedule,
+        end_learning_rate=tc.end_learning_rate,
+        weight_decay=tc.weight_decay,
+        b1=tc.b1,
+        b2=tc.b2,
+        clip_norm=tc.clip_norm,
+    )

@@ -48,9 +48,9 @@ def main() -> int:
 
     import jax
 
+    from lwm.base.mesh import MeshError, check_batch_fits, make_mesh
     from lwm.config import ConfigError, load_config
     from lwm.info import memory_per_device
-    from lwm.mesh import MeshError, check_batch_fits, make_mesh
     from lwm.train_step import abstract_batch, abstract_train_state, make_optimizer, train_step
 
     try:

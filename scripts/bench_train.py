@@ -32,9 +32,9 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from data.batches import SyntheticTokenLoader  # noqa: E402
 from lwm.attention.layout import zigzag_permutation  # noqa: E402
+from lwm.base.mesh import make_mesh  # noqa: E402
 from lwm.config import load_config  # noqa: E402
 from lwm.info import flops_per_token, param_counts  # noqa: E402
-from lwm.mesh import make_mesh  # noqa: E402
 from lwm.model import create_model  # noqa: E402
 from lwm.train import measure_peak_flops  # noqa: E402
 from lwm.train_step import batch_sharding, make_optimizer, train_step  # noqa: E402

@@ -25,7 +25,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from lwm.mesh import make_mesh
+from lwm.base.mesh import make_mesh
 from vqgan.config import load_vqgan_config
 from vqgan.model import init_model
 from vqgan.tokenizer import VideoTokenizer

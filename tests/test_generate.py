@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from lwm.base.mesh import make_mesh
 from lwm.config import load_config
 from lwm.generate import EOF_ID, EOV_ID, Sampling, generate, sample_logits
-from lwm.mesh import make_mesh
 from lwm.model import create_model
 
 

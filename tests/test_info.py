@@ -3,6 +3,7 @@
 import math
 from pathlib import Path
 
+from lwm.base.mesh import LOGICAL_AXIS_RULES, mesh_axis_sizes
 from lwm.config import load_config
 from lwm.info import (
     VISION_PARAMS,
@@ -11,7 +12,6 @@ from lwm.info import (
     param_counts,
     param_specs,
 )
-from lwm.mesh import LOGICAL_AXIS_RULES, mesh_axis_sizes
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from lwm.mesh import (
+from lwm.base.mesh import (
     LOGICAL_AXIS_RULES,
     MESH_AXES,
     MeshError,

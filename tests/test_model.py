@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from data.batches import next_token_targets
 from lwm.attention.layout import apply_layout, zigzag_permutation
+from lwm.base.mesh import make_mesh
 from lwm.config import load_config
 from lwm.info import param_specs
-from lwm.loss import lwm_loss, next_token_targets
-from lwm.mesh import make_mesh
+from lwm.loss import lwm_loss
 from lwm.model import create_model
 
 

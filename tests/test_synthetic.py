@@ -16,7 +16,7 @@ from data.synthetic import (
     write_dataset,
 )
 from data.synthetic_check import answer, observe, question_category
-from data.video_io import VideoError, read_video, write_mp4
+from lwm.base.media import VideoError, read_video, write_mp4
 
 
 def test_deterministic() -> None:

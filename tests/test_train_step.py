@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from data.batches import next_token_targets
+from lwm.base.mesh import make_mesh
 from lwm.config import load_config
 from lwm.info import memory_per_device
-from lwm.loss import next_token_targets
-from lwm.mesh import make_mesh
 from lwm.model import create_model
 from lwm.train_step import abstract_batch, abstract_train_state, make_optimizer, train_step
 

@@ -45,7 +45,7 @@ class QuarterColourEncoder:
 
 
 def _write_videos(folder: Path, combos) -> Path:
-    from data.video_io import write_mp4
+    from lwm.base.media import write_mp4
 
     folder.mkdir(parents=True)
     lines = []
@@ -70,8 +70,8 @@ def _write_videos(folder: Path, combos) -> Path:
 def test_a_tiny_model_learns_to_read_the_video(tmp_path: Path):
     from data.tokenize_dataset import TokenizeOptions, tokenize_dataset
     from data.tokens import TextCodec
+    from lwm.base.mesh import make_mesh
     from lwm.config import load_config
-    from lwm.mesh import make_mesh
     from lwm.qa_eval import BlindBaseline, evaluate, read_questions
     from lwm.runs import load_run
     from lwm.train import train

@@ -15,8 +15,8 @@ import pytest
 from flax import nnx
 from PIL import Image
 
+from lwm.base.mesh import make_mesh
 from lwm.config import ConfigError
-from lwm.mesh import make_mesh
 from vqgan import load_model, load_tokenizer
 from vqgan.config import VQGANConfig, VQGANModelConfig, load_vqgan_config
 from vqgan.legacy_pickle import LegacyPickleError, load_legacy_pickle
@@ -188,7 +188,7 @@ def test_preprocess_as_lwm() -> None:
 
 def test_training_frames_from_manifest_mp4s(tmp_path: Path) -> None:
     from data.synthetic import write_dataset
-    from vqgan.data import load_frames
+    from data.vqgan_frames import load_frames
 
     manifest = write_dataset(tmp_path, count=3, seed=2, size=32, num_frames=4)
     cfg = load_vqgan_config(TINY, ["data.source=manifest", f"data.manifest={manifest}"])
@@ -215,13 +215,14 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     overrides += ["train.eval_every=2", "train.save_every=100", "mesh.shape=1,-1,1,1"]
     full = load_vqgan_config(TINY, [*overrides, f"train.output_dir={root / 'full'}"])
     part = load_vqgan_config(TINY, [*overrides, f"train.output_dir={root / 'part'}"])
-    from vqgan.data import load_frames
+    from data.vqgan_frames import load_frames
 
     source = load_frames(full)
-    train(full, source=source)
-    assert train(part, source=source, stop_at=1) == {}
+    mesh = make_mesh(full.mesh.shape)
+    train(full, mesh=mesh, source=source)
+    assert train(part, mesh=mesh, source=source, stop_at=1) == {}
     assert not (root / "part" / "model.safetensors").exists()
-    train(part, source=source)  # resumes from the checkpoint at step 1
+    train(part, mesh=mesh, source=source)  # resumes from the checkpoint at step 1
     return root / "full", root / "part"
 
 

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
+from lwm.base.mesh import make_mesh
 from lwm.config import ModelConfig
 from lwm.info import VISION_PARAMS
-from lwm.mesh import make_mesh
 from lwm.model import apply_rope, create_model, rope_tables, state_shardings
 from lwm.weights import (
     WeightsError,

@@ -21,7 +21,8 @@ folder whose run has not finished (the latest orbax checkpoint under ``checkpoin
 
 Modules: `config` (typed YAML configs), `model` (encoder, decoder), `quantizer`,
 `discriminator`, `losses`, `train`, `tokenizer` (`VideoTokenizer`), `weights` (safetensors,
-LWM layout), `legacy_pickle` (the restricted unpickler), `preprocess`.
+LWM layout), `legacy_pickle` (the restricted unpickler), `preprocess`, `data` (`FrameSource`,
+the training frames; where they come from is `data.vqgan_frames`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,20 @@ from pathlib import Path
 
 from jax.sharding import Mesh
 
-__all__ = ["load_model", "load_tokenizer"]
+from vqgan.config import VQGANConfig, load_vqgan_config
+from vqgan.data import FrameSource, to_resolution
+from vqgan.preprocess import resize_and_crop
+
+# The public API: what the layers above (data/, lwm/) may use; the rest is internal.
+__all__ = [
+    "FrameSource",
+    "VQGANConfig",
+    "load_model",
+    "load_tokenizer",
+    "load_vqgan_config",
+    "resize_and_crop",
+    "to_resolution",
+]
 
 
 def load_model(path: str | os.PathLike, *, dtype: str | None = None):

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lwm.config import ConfigError
+from lwm.base.config import ConfigError
 
 __all__ = [
     "PERCEPTUAL_LOSSES",

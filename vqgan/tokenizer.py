@@ -23,7 +23,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from lwm.mesh import make_mesh
+from lwm.base.mesh import make_mesh
 from vqgan.model import VQGAN
 from vqgan.preprocess import postprocess, preprocess
 

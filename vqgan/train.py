@@ -27,8 +27,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from data.video_io import write_png
-from lwm.mesh import MeshError, make_mesh
+from lwm.base.media import write_png
+from lwm.base.mesh import MeshError
 from vqgan.checkpoint import Checkpointer
 from vqgan.config import (
     LossConfig,
@@ -36,7 +36,7 @@ from vqgan.config import (
     TrainConfig,
     VQGANConfig,
 )
-from vqgan.data import FrameSource, load_frames
+from vqgan.data import FrameSource
 from vqgan.discriminator import PatchDiscriminator
 from vqgan.losses import get_perceptual, hinge_d_loss, hinge_g_loss, psnr, recon_loss
 from vqgan.model import VQGAN, host_init, init_model
@@ -273,11 +273,13 @@ class _Logger:
 def train(
     cfg: VQGANConfig,
     *,
-    mesh: Mesh | None = None,
-    source: FrameSource | None = None,
+    mesh: Mesh,
+    source: FrameSource,
     stop_at: int | None = None,
 ) -> dict[str, float]:
-    """Train (or resume) per ``cfg``; returns the final held-out metrics.
+    """Train (or resume) per ``cfg`` on ``mesh`` (built by the caller from ``cfg.mesh``) with
+    the frames of ``source`` (`data.vqgan_frames.load_frames`); returns the final held-out
+    metrics.
 
     ``stop_at``: stop after this many completed steps (checkpointing there), as an interrupted
     run would; a later call resumes. The weights and eval.json are written only at the end."""
@@ -287,13 +289,11 @@ def train(
     out = Path(t.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     write_config(out, cfg)
-    mesh = make_mesh(cfg.mesh.shape) if mesh is None else mesh
     data = mesh.shape["dp"] * mesh.shape["fsdp"]
     if t.batch_size % data:
         raise MeshError(
             f"train.batch_size {t.batch_size} is not divisible by dp x fsdp = {data} devices"
         )
-    source = load_frames(cfg) if source is None else source
     eval_idx = np.unique(np.linspace(0, len(source.eval) - 1, t.eval_frames).astype(int))
     eval_frames = source.eval[eval_idx]
     grid_idx = np.linspace(0, len(eval_frames) - 1, t.grid_frames).astype(int)

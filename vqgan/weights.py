@@ -25,7 +25,7 @@ import numpy as np
 import yaml
 from flax import nnx
 
-from lwm.config import ConfigError, validate_config
+from lwm.base.config import ConfigError, validate_config
 from vqgan.config import VQGANConfig, VQGANModelConfig
 from vqgan.model import VQGAN
 

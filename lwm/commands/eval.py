@@ -72,8 +72,8 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse
 def load_video_qa(args: argparse.Namespace, log):
     """`lwm.vision_qa.load_video_qa` with the options of `add_model_arguments`; the mesh is
     built here, once, and passed down."""
+    from lwm.base.mesh import make_mesh
     from lwm.generate import Sampling
-    from lwm.mesh import make_mesh
     from lwm.vision_qa import load_video_qa as load
 
     return load(

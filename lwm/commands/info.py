@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import argparse
 
+from lwm.base.mesh import MESH_AXES, make_mesh, mesh_axis_sizes, parse_mesh_shape
 from lwm.commands import positive_int
 from lwm.config import Config, config_to_yaml, load_config
 from lwm.info import flops_per_token, memory_per_device, param_counts
-from lwm.mesh import MESH_AXES, make_mesh, mesh_axis_sizes, parse_mesh_shape
 
 GIB = 1024**3
 

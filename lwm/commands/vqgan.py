@@ -70,7 +70,7 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse
 
 
 def run(args: argparse.Namespace) -> int:
-    from data.video_io import VideoError
+    from lwm.base.media import VideoError
     from vqgan.legacy_pickle import LegacyPickleError
     from vqgan.weights import WeightsError
 
@@ -84,11 +84,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from data.vqgan_frames import load_frames
+    from lwm.base.mesh import make_mesh
     from vqgan.config import load_vqgan_config
     from vqgan.train import train
 
     cfg = load_vqgan_config(args.config, args.overrides)
-    metrics = train(cfg)
+    mesh = make_mesh(cfg.mesh.shape)
+    metrics = train(cfg, mesh=mesh, source=load_frames(cfg))
     print(
         f"{cfg.train.output_dir}: held-out PSNR {metrics['psnr']:.2f} dB, codebook used "
         f"{metrics['codebook_used']:.1%}, perplexity {metrics['perplexity']:.1f}"
@@ -97,7 +100,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _encode(args: argparse.Namespace) -> int:
-    from data.video_io import read_video
+    from lwm.base.media import read_video
     from vqgan import load_tokenizer
 
     frames = read_video(args.video, args.max_frames)
@@ -122,7 +125,7 @@ def _encode(args: argparse.Namespace) -> int:
 
 
 def _decode(args: argparse.Namespace) -> int:
-    from data.video_io import VideoError, write_mp4, write_png
+    from lwm.base.media import VideoError, write_mp4, write_png
     from vqgan import load_tokenizer
 
     out = Path(args.out)

@@ -21,9 +21,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from lwm.base.mesh import logical_to_spec
 from lwm.config import ModelConfig
 from lwm.info import VISION_PARAMS, ParamSpec, param_specs
-from lwm.mesh import logical_to_spec
 from lwm.model import LWMModel, state_shardings
 
 __all__ = [

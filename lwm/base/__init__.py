@@ -1,0 +1,11 @@
+"""The base layer, which every other package may import and which imports none of them:
+
+- `lwm.base.config`: YAML configs with `base:` links and `key=value` overrides, validated
+  into typed classes, with one error line naming the key (`ConfigError`);
+- `lwm.base.mesh`: the `(dp, fsdp, sp, tp)` device mesh and the logical axis rules;
+- `lwm.base.media`: reading videos and images (decord, PyAV) and writing MP4/PNG atomically.
+
+Layers, bottom to top (a test walks every import): base -> `vqgan` -> `data` -> the model
+(`lwm.model`, `lwm.attention`, `lwm.loss`, `lwm.weights`) -> training, inference and
+evaluation -> `lwm.commands`, `lwm.cli`.
+"""

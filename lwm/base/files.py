@@ -1,0 +1,53 @@
+"""Writing files so that a reader never sees half of one: everything is written to a
+temporary name beside the target (same folder, so the rename is atomic on POSIX) and renamed
+over it when complete; on any error the temporary file is removed and the target is untouched.
+
+    with atomic_path("out/codes.npy") as tmp:     # tmp: "out/.codes.XXXX.npy"
+        np.save(tmp, codes)
+    write_text("out/config.yaml", text)
+    write_jsonl("out/results.jsonl", rows)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+__all__ = ["atomic_path", "write_bytes", "write_jsonl", "write_text"]
+
+
+@contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """A temporary path beside ``path`` with the same suffix (so writers that pick a format by
+    suffix still work), renamed to ``path`` when the block ends without an error. The parent
+    folder is created if needed."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=path.suffix, dir=path.parent)
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
+
+
+def write_text(path: str | os.PathLike, text: str) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(text)
+
+
+def write_jsonl(path: str | os.PathLike, rows: Iterable[Any]) -> None:
+    """One JSON document per line."""
+    write_text(path, "".join(json.dumps(row) + "\n" for row in rows))

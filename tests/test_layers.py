@@ -1,0 +1,100 @@
+"""Imports point down the layers of ../shared/DESIGN.md (and `lwm.base`'s docstring): every
+import of every module of lwm/, vqgan/ and data/ is read from its source (function-level
+imports included) and must not reach a higher layer. The data layer uses the VQGAN's public
+API only (`import vqgan` / `from vqgan import ...`)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("lwm", "vqgan", "data")
+
+# Bottom to top; a module belongs to the layer of its longest matching prefix.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("base", ("lwm", "lwm.base")),
+    ("vqgan", ("vqgan",)),
+    ("data", ("data",)),
+    (
+        "model",
+        ("lwm.config", "lwm.attention", "lwm.model", "lwm.loss", "lwm.info", "lwm.weights")
+        + ("lwm.runs",),
+    ),
+    (
+        "training, inference and evaluation",
+        ("lwm.train", "lwm.train_step", "lwm.generate", "lwm.vision_qa", "lwm.qa_eval"),
+    ),
+    ("commands", ("lwm.commands", "lwm.cli", "lwm.__main__")),
+]
+
+
+def module_names() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join(parts)] = path
+    return found
+
+
+def layer_of(module: str) -> int | None:
+    best, best_len = None, -1
+    for index, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            matches = module == prefix or module.startswith(prefix + ".")
+            if matches and len(prefix) > best_len:
+                best, best_len = index, len(prefix)
+    return best
+
+
+def imports_of(path: Path, modules: dict[str, Path]) -> list[tuple[int, str]]:
+    """(line, imported module) for every import of one of the project's packages."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            # `from pkg import sub` imports the module pkg.sub when there is one
+            names = [
+                f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                for a in node.names
+            ]
+        else:
+            continue
+        found += [(node.lineno, n) for n in names if n.split(".")[0] in PACKAGES]
+    return found
+
+
+def test_every_module_has_a_layer() -> None:
+    unplaced = [m for m in module_names() if layer_of(m) is None]
+    assert not unplaced, f"modules in no layer (add them to LAYERS): {unplaced}"
+
+
+def test_imports_point_down() -> None:
+    modules = module_names()
+    upward = []
+    for module, path in modules.items():
+        here = layer_of(module)
+        for line, target in imports_of(path, modules):
+            there = layer_of(target)
+            assert here is not None and there is not None, (module, target)
+            where = f"{path.relative_to(ROOT)}:{line}: {module} ({LAYERS[here][0]}) imports"
+            if there > here:
+                upward.append(f"{where} {target} ({LAYERS[there][0]})")
+            if LAYERS[here][0] == "data" and target.startswith("vqgan."):
+                upward.append(f"{where} {target}, not the vqgan package's public API")
+    assert not upward, "imports that point up:\n" + "\n".join(upward)
+
+
+def test_the_walk_sees_upward_imports(tmp_path: Path) -> None:
+    # The checker itself: a data module importing the model, and one reaching into vqgan's
+    # internals, are both found.
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f():\n    from lwm.loss import lwm_loss\n    import vqgan.train\n")
+    found = imports_of(bad, module_names())
+    assert found == [(2, "lwm.loss"), (3, "vqgan.train")]
+    assert layer_of("lwm.loss") > layer_of("data.batches") > layer_of("vqgan")
+    assert layer_of("lwm.base.mesh") == 0 and layer_of("lwm.commands.train") == len(LAYERS) - 1
