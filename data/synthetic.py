@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -53,6 +52,7 @@ from data.synthetic_check import (
     observe,
     question_category,
 )
+from lwm.base.files import write_jsonl
 
 __all__ = [
     "BACKGROUND",
@@ -343,18 +343,6 @@ def render_frames(
 # Writing a dataset
 
 
-def _write_jsonl(path: Path, rows: Sequence[dict[str, Any]]) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def write_dataset(
     out: str | os.PathLike,
     count: int,
@@ -392,8 +380,8 @@ def write_dataset(
         if captions:
             manifest.append({"video": rel, "text": spec.caption})
         manifest.append({"video": rel, "qa": spec.qa})
-    _write_jsonl(out / "videos.jsonl", specs)
-    _write_jsonl(out / "manifest.jsonl", manifest)
+    write_jsonl(out / "videos.jsonl", specs)
+    write_jsonl(out / "manifest.jsonl", manifest)
     return out / "manifest.jsonl"
 
 

@@ -33,7 +33,7 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -41,6 +41,10 @@ from data import dataset_io
 from data.decode import Decoded, DecodeOptions, decode_item
 from data.manifest import Item, read_inputs
 from data.tokens import EOF_ID, EOV_ID, NUM_CODES, TextCodec, build_example
+from lwm.base.files import write_text
+
+if TYPE_CHECKING:
+    from jax.sharding import Mesh
 
 __all__ = ["Encoder", "TokenizeError", "TokenizeOptions", "TokenizeSummary", "tokenize_dataset"]
 
@@ -114,16 +118,12 @@ class TokenizeSummary:
         return out
 
 
-def _load_encoder(path: str, batch_frames: int) -> Encoder:
-    import vqgan
-
-    return vqgan.load_tokenizer(path, batch_size=batch_frames)
-
-
 def tokenize_dataset(
-    opts: TokenizeOptions, encoder: Encoder | None = None, log=None
+    opts: TokenizeOptions, encoder: Encoder | None = None, log=None, *, mesh: Mesh | None = None
 ) -> TokenizeSummary:
-    """Run the job described by ``opts`` (see the module docstring); returns its summary."""
+    """Run the job described by ``opts`` (see the module docstring); returns its summary.
+    ``encoder``: the VQGAN (default: `vqgan.load_tokenizer` of ``opts.vqgan`` on ``mesh``, the
+    caller's, whose batch axes split each chunk of frames; without one, one device)."""
     log = log or (lambda msg: print(msg, file=sys.stderr))
     out = Path(opts.output)
     work = out.with_name(out.name + ".partial")
@@ -135,7 +135,10 @@ def tokenize_dataset(
         raise TokenizeError(f"output '{out}' already exists; remove it or choose another --output")
     items = read_inputs(opts.input)
     codec = TextCodec.load(opts.tokenizer)
-    encoder = encoder if encoder is not None else _load_encoder(opts.vqgan, opts.batch_frames)
+    if encoder is None:
+        import vqgan
+
+        encoder = vqgan.load_tokenizer(opts.vqgan, mesh=mesh, batch_size=opts.batch_frames)
     if encoder.codebook_size > NUM_CODES:
         raise TokenizeError(
             f"VQGAN '{opts.vqgan}' has {encoder.codebook_size} codes; the token stream has room "
@@ -390,9 +393,7 @@ def _chunk_json(work: Path, c: int) -> Path:
 
 
 def _write_json(path: Path, data: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    os.replace(tmp, path)
+    write_text(path, json.dumps(data, indent=1) + "\n")
 
 
 def _job(opts: TokenizeOptions, items: list[Item], codec: TextCodec, encoder: Encoder) -> dict:
@@ -448,9 +449,7 @@ def _finish(
     summary.tokens = sum(sum(info["lengths"]) for info in infos)
     errors_path = out.with_name(out.name + ".errors.txt")
     if summary.errors:
-        tmp = errors_path.with_name(f".{errors_path.name}.tmp")
-        tmp.write_text("".join(f"{e}\n" for e in summary.errors))
-        os.replace(tmp, errors_path)
+        write_text(errors_path, "".join(f"{e}\n" for e in summary.errors))
         summary.errors_path = str(errors_path)
     else:
         errors_path.unlink(missing_ok=True)

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from data.manifest import read_inputs
+from lwm.base.files import write_jsonl
 
 __all__ = [
     "Answer",
@@ -203,13 +204,7 @@ class QAReport:
     def write_jsonl(self, path: str | os.PathLike) -> None:
         """Every record, then the summary, as JSON lines (written to a temporary name, then
         renamed)."""
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.tmp")
-        with tmp.open("w") as f:
-            for r in self.records:
-                f.write(json.dumps(r) + "\n")
-            f.write(json.dumps(self.summary()) + "\n")
-        os.replace(tmp, path)
+        write_jsonl(path, [*self.records, self.summary()])
 
 
 def evaluate(

@@ -22,6 +22,7 @@ import numpy as np
 from data.decode import DecodeOptions, decode_item
 from data.manifest import Item
 from data.tokens import TextCodec, qa_prompt, vision_span
+from lwm.base.mesh import batch_devices
 from lwm.generate import GREEDY, Sampling, generate
 from lwm.model import LWMModel
 from lwm.qa_eval import Answer
@@ -105,7 +106,7 @@ class VideoQA:
         rows = max(self.batch_size, len(prompts))
         mesh = self.model.mesh
         if mesh is not None:  # the batch is sharded over (dp, fsdp)
-            data = mesh.shape["dp"] * mesh.shape["fsdp"]
+            data = batch_devices(mesh)
             rows = -(-rows // data) * data
         tokens = np.zeros((rows, width), np.int32)
         vision = np.zeros((rows, width), bool)
@@ -221,4 +222,6 @@ def video_qa_for(
     if max_frames is None and fps is None:
         max_frames, fps = inputs.get("max_frames"), inputs.get("fps")
     codec = TextCodec.load(tokenizer or inputs.get("tokenizer"))
-    return VideoQA(model, codec, load_tokenizer(vqgan), max_frames=max_frames, fps=fps, **options)
+    # The VQGAN shards its frames over the language model's mesh: one mesh per process.
+    encoder = load_tokenizer(vqgan, mesh=getattr(model, "mesh", None))
+    return VideoQA(model, codec, encoder, max_frames=max_frames, fps=fps, **options)

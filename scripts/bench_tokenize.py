@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from data.synthetic import write_dataset
     from data.tokenize_dataset import TokenizeOptions, tokenize_dataset
+    from lwm.base.mesh import make_mesh
 
     work = args.work or Path(tempfile.mkdtemp(prefix="bench_tokenize."))
     videos = work / "videos"
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
             progress=False,
         )
         start = time.perf_counter()
-        summary = tokenize_dataset(opts, log=lambda _msg: None)
+        summary = tokenize_dataset(opts, log=lambda _msg: None, mesh=make_mesh("1,-1,1,1"))
         wall = time.perf_counter() - start
         row = {
             "workers": workers,

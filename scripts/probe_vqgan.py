@@ -57,8 +57,9 @@ def main() -> int:
     import vqgan
     from data.synthetic import PALETTE, SHAPES, render_video, sample_video
     from data.synthetic_check import answer, observe
+    from lwm.base.mesh import make_mesh
 
-    tok = vqgan.load_tokenizer(args.vqgan)
+    tok = vqgan.load_tokenizer(args.vqgan, mesh=make_mesh("1,-1,1,1"))
     size = tok.resolution
     world = {"max_objects": args.max_objects}
     if args.radius:

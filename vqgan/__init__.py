@@ -16,7 +16,8 @@ The one entry point for tokenizing (`lwm tokenize` calls exactly this)::
 ``path`` is a folder holding ``config.yaml`` and ``model.safetensors`` (written at the end of
 `lwm vqgan train` into its ``train.output_dir``, or by `lwm vqgan import`), or a training output
 folder whose run has not finished (the latest orbax checkpoint under ``checkpoints/`` is used).
-``mesh``: the (dp, fsdp, sp, tp) mesh to shard batches over (default: all devices on fsdp);
+``mesh``: the caller's (dp, fsdp, sp, tp) mesh, whose batch axes split the frames (default: one
+device);
 ``dtype``: compute dtype override ("bfloat16"); ``batch_size``: frames per jitted call.
 
 Modules: `config` (typed YAML configs), `model` (encoder, decoder), `quantizer`,

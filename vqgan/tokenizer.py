@@ -20,16 +20,14 @@ from collections.abc import Callable
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
-from lwm.base.mesh import make_mesh
+from lwm.base.mesh import BATCH_AXES, batch_devices
 from vqgan.model import VQGAN
 from vqgan.preprocess import postprocess, preprocess
 
 __all__ = ["VideoTokenizer"]
-
-BATCH_AXES = ("dp", "fsdp")
 
 
 class VideoTokenizer:
@@ -37,13 +35,18 @@ class VideoTokenizer:
 
     def __init__(self, model: VQGAN, *, mesh: Mesh | None = None, batch_size: int | None = None):
         self.config = model.cfg
-        self.mesh = make_mesh("1,-1,1,1") if mesh is None else mesh
-        data = self.mesh.shape["dp"] * self.mesh.shape["fsdp"]
+        self.mesh = mesh
+        if mesh is None:  # one device, nothing sharded
+            data, replicated = 1, SingleDeviceSharding(jax.local_devices()[0])
+            self._batch: jax.sharding.Sharding = replicated
+        else:
+            data = batch_devices(mesh)
+            replicated = NamedSharding(mesh, P())
+            self._batch = NamedSharding(mesh, P(BATCH_AXES))
         wanted = batch_size if batch_size is not None else max(8, data)
         self.batch_size = math.ceil(wanted / data) * data  # frames per jitted call
-        self._batch = NamedSharding(self.mesh, P(BATCH_AXES))
         graphdef, state = nnx.split(model)
-        self._params = jax.device_put(state, NamedSharding(self.mesh, P()))
+        self._params = jax.device_put(state, replicated)
         res = self.config.resolution
 
         def encode_chunk(params, frames):

@@ -28,7 +28,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lwm.base.media import write_png
-from lwm.base.mesh import MeshError
+from lwm.base.mesh import BATCH_AXES, MeshError, batch_devices
 from vqgan.checkpoint import Checkpointer
 from vqgan.config import (
     LossConfig,
@@ -46,7 +46,7 @@ from vqgan.weights import save_weights, write_config
 
 __all__ = ["TrainState", "create_state", "evaluate", "make_train_step", "step_phase", "train"]
 
-BATCH = P(("dp", "fsdp"))
+BATCH = P(BATCH_AXES)
 
 
 @dataclass
@@ -289,7 +289,7 @@ def train(
     out = Path(t.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     write_config(out, cfg)
-    data = mesh.shape["dp"] * mesh.shape["fsdp"]
+    data = batch_devices(mesh)
     if t.batch_size % data:
         raise MeshError(
             f"train.batch_size {t.batch_size} is not divisible by dp x fsdp = {data} devices"

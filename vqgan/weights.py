@@ -14,7 +14,6 @@ created from the coarsest level down, so ``UpsamplingBlock_0`` is the *last* lev
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ import yaml
 from flax import nnx
 
 from lwm.base.config import ConfigError, validate_config
+from lwm.base.files import atomic_path, write_text
 from vqgan.config import VQGANConfig, VQGANModelConfig
 from vqgan.model import VQGAN
 
@@ -76,14 +76,8 @@ def save_weights(
     if isinstance(config, VQGANModelConfig):
         config = VQGANConfig(model=config)
     tensors = {k: np.asarray(jax.device_get(v)) for k, v in _flat_params(model).items()}
-    fd, tmp = tempfile.mkstemp(prefix=".model.", suffix=".safetensors", dir=directory)
-    os.close(fd)
-    try:
-        save_file(tensors, tmp)
-        os.replace(tmp, directory / WEIGHTS_FILE)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_path(directory / WEIGHTS_FILE) as tmp:
+        save_file(tensors, str(tmp))
     write_config(directory, config)
     return directory
 
@@ -93,10 +87,7 @@ def write_config(directory: str | os.PathLike, config: VQGANConfig) -> None:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     text = yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
-    fd, tmp = tempfile.mkstemp(prefix=".config.", suffix=".yaml", dir=directory)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, directory / CONFIG_FILE)
+    write_text(directory / CONFIG_FILE, text)
 
 
 def read_config(directory: str | os.PathLike) -> VQGANConfig:

@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from lwm.attention._common import attention_mask, check_qkv
 from lwm.attention.ring import _axes_size, _present
+from lwm.base.mesh import BATCH_AXES, SEQUENCE_AXIS
 
 F32 = jnp.float32
 
@@ -36,7 +37,7 @@ def decode_attention_local(
     cache_len: jax.Array,
     q_positions: jax.Array,
     kv_positions: jax.Array,
-    axis_name: str | None = "sp",
+    axis_name: str | None = SEQUENCE_AXIS,
     scale: float | None = None,
 ) -> jax.Array:
     """Per-device part of `ring_decode_attention`; call inside `shard_map` (or with
@@ -75,8 +76,8 @@ def ring_decode_attention(
     cache_len: jax.Array | int,
     q_positions: jax.Array | None = None,
     kv_positions: jax.Array | None = None,
-    axis_name: str = "sp",
-    batch_axes: str | Sequence[str] | None = ("dp", "fsdp"),
+    axis_name: str = SEQUENCE_AXIS,
+    batch_axes: str | Sequence[str] | None = BATCH_AXES,
     head_axis: str | None = "tp",
     scale: float | None = None,
 ) -> jax.Array:

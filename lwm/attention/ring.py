@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 from lwm.attention._common import check_qkv
 from lwm.attention.blockwise import attention_core, prepare_inputs
 from lwm.attention.layout import ring_block_size
+from lwm.base.mesh import BATCH_AXES, SEQUENCE_AXIS
 
 
 def ring_attention_local(
@@ -28,7 +29,7 @@ def ring_attention_local(
     k: jax.Array,
     v: jax.Array,
     *,
-    axis_name: str | None = "sp",
+    axis_name: str | None = SEQUENCE_AXIS,
     causal: bool = True,
     q_positions: jax.Array | None = None,
     kv_positions: jax.Array | None = None,
@@ -105,8 +106,8 @@ def ring_attention(
     kv_segment_ids: jax.Array | None = None,
     block_q: int = 512,
     block_k: int = 512,
-    axis_name: str | None = "sp",
-    batch_axes: str | Sequence[str] | None = ("dp", "fsdp"),
+    axis_name: str | None = SEQUENCE_AXIS,
+    batch_axes: str | Sequence[str] | None = BATCH_AXES,
     head_axis: str | None = "tp",
     scale: float | None = None,
     precision: lax.Precision | None = None,

@@ -12,12 +12,11 @@ write never leaves a half-written file under the real name.
 from __future__ import annotations
 
 import os
-import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
+
+from lwm.base.files import atomic_path
 
 __all__ = ["VideoError", "frames_at", "read_video", "write_mp4", "write_png"]
 
@@ -97,20 +96,6 @@ def _read_with_pyav(path: Path, indices: list[int]) -> np.ndarray:
     return np.stack([by_index[i] for i in indices])
 
 
-@contextmanager
-def _atomic_path(path: Path) -> Iterator[Path]:
-    """A temporary path beside ``path`` (same suffix) that is renamed to ``path`` on success."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=path.suffix, dir=path.parent)
-    os.close(fd)
-    try:
-        yield Path(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _check_frames(frames: np.ndarray, what: str) -> np.ndarray:
     frames = np.asarray(frames)
     if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[-1] != 3:
@@ -137,7 +122,7 @@ def write_mp4(
     _, height, width, _ = frames.shape
     if height % 2 or width % 2:
         raise VideoError(f"writing '{path}': H.264 needs even frame sizes, got {height}x{width}")
-    with _atomic_path(path) as tmp, av.open(str(tmp), mode="w", format="mp4") as container:
+    with atomic_path(path) as tmp, av.open(str(tmp), mode="w", format="mp4") as container:
         stream = container.add_stream("libx264", rate=fps)
         stream.width, stream.height = width, height
         stream.pix_fmt = pix_fmt
@@ -160,5 +145,5 @@ def write_png(path: str | os.PathLike, image: np.ndarray) -> None:
         raise VideoError(
             f"writing '{path}': expected uint8 [H, W, 3], got {image.dtype} {image.shape}"
         )
-    with _atomic_path(path) as tmp:
+    with atomic_path(path) as tmp:
         Image.fromarray(image).save(tmp, format="PNG")

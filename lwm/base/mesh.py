@@ -26,6 +26,9 @@ MESH_AXES: tuple[str, str, str, str] = ("dp", "fsdp", "sp", "tp")
 
 MeshAxes = str | tuple[str, ...] | None
 
+BATCH_AXES: tuple[str, str] = ("dp", "fsdp")  # the batch is split over these
+SEQUENCE_AXIS = "sp"  # and the sequence over this one (ring attention's ring)
+
 # Logical axis name -> mesh axes. Parameters: large matrices are sharded over ('fsdp', 'sp') on
 # their model-dimension side and over 'tp' on the other, so sequence-parallel devices also hold a
 # slice of the weights. Activations: batch over ('dp', 'fsdp'), length over 'sp', heads over 'tp'.
@@ -40,8 +43,8 @@ LOGICAL_AXIS_RULES: dict[str, MeshAxes] = {
     "layers": None,  # the stacked-layers (scan) axis
     "norm": None,
     # activations
-    "batch": ("dp", "fsdp"),
-    "length": "sp",
+    "batch": BATCH_AXES,
+    "length": SEQUENCE_AXIS,
     "act_heads": "tp",
     "act_kv_heads": "tp",
     "act_embed": None,
@@ -197,9 +200,14 @@ def _as_tuple(entry: MeshAxes) -> tuple[str, ...]:
     return tuple(entry)
 
 
+def batch_devices(mesh: Mesh) -> int:
+    """How many ways a batch is split: the product of the mesh's `BATCH_AXES`."""
+    return math.prod(mesh.shape[axis] for axis in BATCH_AXES)
+
+
 def check_batch_fits(mesh: Mesh, batch_size: int, seq_len: int) -> None:
     """Batches are sharded batch over (dp, fsdp) and length over sp: both must divide evenly."""
-    data = mesh.shape["dp"] * mesh.shape["fsdp"]
+    data = batch_devices(mesh)
     if batch_size % data:
         raise MeshError(
             f"batch size {batch_size} is not divisible by dp x fsdp = {data} devices of the mesh "

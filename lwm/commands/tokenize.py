@@ -77,6 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from data.manifest import ManifestError
     from data.tokenize_dataset import TokenizeError, TokenizeOptions, tokenize_dataset
+    from lwm.base.mesh import make_mesh
 
     opts = TokenizeOptions(
         input=args.input,
@@ -94,7 +95,8 @@ def run(args: argparse.Namespace) -> int:
         video_loss=args.video_loss,
     )
     try:
-        summary = tokenize_dataset(opts)
+        # The VQGAN splits each chunk of frames over every device (one mesh, built here).
+        summary = tokenize_dataset(opts, mesh=make_mesh("1,-1,1,1"))
     except (TokenizeError, ManifestError) as e:
         print(f"lwm tokenize: error: {e}", file=sys.stderr)
         return 2 if isinstance(e, ManifestError) else 1

@@ -101,10 +101,11 @@ def _train(args: argparse.Namespace) -> int:
 
 def _encode(args: argparse.Namespace) -> int:
     from lwm.base.media import read_video
+    from lwm.base.mesh import make_mesh
     from vqgan import load_tokenizer
 
     frames = read_video(args.video, args.max_frames)
-    tok = load_tokenizer(args.checkpoint)
+    tok = load_tokenizer(args.checkpoint, mesh=make_mesh("1,-1,1,1"))
     codes = tok.encode(frames[None])
     print(
         f"{args.video}: {frames.shape[0]} frames {frames.shape[1]}x{frames.shape[2]} -> codes "
@@ -112,11 +113,11 @@ def _encode(args: argparse.Namespace) -> int:
         f"{len(np.unique(codes))} distinct)"
     )
     if args.out:
+        from lwm.base.files import atomic_path
+
         out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(f".{out.name}.tmp.npy")
-        np.save(tmp, codes)
-        tmp.replace(out)
+        with atomic_path(out) as tmp:
+            np.save(tmp, codes)
         print(f"wrote {out}")
     else:
         print("frame 0:")
@@ -126,6 +127,7 @@ def _encode(args: argparse.Namespace) -> int:
 
 def _decode(args: argparse.Namespace) -> int:
     from lwm.base.media import VideoError, write_mp4, write_png
+    from lwm.base.mesh import make_mesh
     from vqgan import load_tokenizer
 
     out = Path(args.out)
@@ -139,7 +141,7 @@ def _decode(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise VideoError(f"'{path}' is not a numpy .npy file of codes: {e}") from None
     codes = codes.reshape((1,) * (4 - codes.ndim) + codes.shape) if codes.ndim < 4 else codes
-    tok = load_tokenizer(args.checkpoint)
+    tok = load_tokenizer(args.checkpoint, mesh=make_mesh("1,-1,1,1"))
     try:
         frames = tok.decode(codes)
     except ValueError as e:

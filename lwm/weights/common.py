@@ -11,8 +11,6 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +28,6 @@ __all__ = [
     "VISION_PARAMS",
     "ParamSink",
     "WeightsError",
-    "atomic_path",
     "flat_params",
     "host_layer_stack",
     "host_param",
@@ -247,16 +244,3 @@ def _initialise(
         return jax.jit(init)()
     shardings = {_named(p): s for p, s in nnx.to_flat_state(state_shardings(abstract, mesh))}
     return jax.jit(init, out_shardings={n: shardings[n] for n in names})()
-
-
-@contextmanager
-def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary sibling of ``path``; rename it over ``path`` only on success."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        yield tmp
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()

@@ -34,13 +34,13 @@ import safetensors.numpy
 from jax.sharding import Mesh
 from safetensors import safe_open
 
+from lwm.base.files import atomic_path
 from lwm.config import ModelConfig
 from lwm.model import LWMModel
 from lwm.weights.common import (
     VISION_PARAMS,
     ParamSink,
     WeightsError,
-    atomic_path,
     iter_host_params,
     layer_names,
     np_dtype,

@@ -51,12 +51,12 @@ import numpy as np
 from flax.serialization import msgpack_restore, to_bytes
 from jax.sharding import Mesh
 
+from lwm.base.files import atomic_path
 from lwm.config import ModelConfig
 from lwm.model import LWMModel
 from lwm.weights.common import (
     ParamSink,
     WeightsError,
-    atomic_path,
     flat_params,
     host_layer_stack,
     host_param,
