@@ -15,6 +15,8 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
+from data.tokens import EOV_ID, NUM_CODES
+
 BATCH_FIELDS: dict[str, Any] = {
     "tokens": np.int32,
     "vision_mask": np.bool_,
@@ -114,7 +116,7 @@ class SyntheticTokenLoader:
         seq_len: int,
         text_vocab_size: int,
         seed: int = 0,
-        vision_codes: int = 8192,
+        vision_codes: int = NUM_CODES,
         patterns: int = 8,
         process_index: int = 0,
         process_count: int = 1,
@@ -156,7 +158,7 @@ class SyntheticTokenLoader:
         while len(tokens) < self.seq_len:
             doc += 1
             text, codes = self._patterns[rng.integers(len(self._patterns))]
-            frames = np.concatenate([codes, [8193]])  # one short frame, then <eov>
+            frames = np.concatenate([codes, [EOV_ID]])  # one short frame, then <eov>
             span = list(text) + list(frames)
             tokens += span
             vision += [False] * len(text) + [True] * len(frames)

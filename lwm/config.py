@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from data.tokens import EOV_ID, VISION_VOCAB_SIZE
 from lwm.base import config as base_config
 from lwm.base.config import (
     ConfigError,
@@ -50,7 +51,7 @@ class ModelConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     text_vocab_size: PositiveInt = 32000
-    vision_vocab_size: PositiveInt = 8448
+    vision_vocab_size: PositiveInt = VISION_VOCAB_SIZE  # codes and the <eof>/<eov> markers
     # The vision head scores only codes 0..vision_codes-1 and the <eof>/<eov> markers (a VQGAN
     # with that many codes never produces the others); 0: the whole vision vocabulary. The
     # parameters keep their full size (LWM's checkpoints load either way).
@@ -85,6 +86,12 @@ class ModelConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_heads(self) -> ModelConfig:
+        if self.vision_vocab_size <= EOV_ID:
+            raise ValueError(
+                f"vision_vocab_size ({self.vision_vocab_size}) must exceed the <eov> id {EOV_ID}: "
+                "the vision vocabulary holds the codes and the <eof>/<eov> markers "
+                "(data.tokens)"
+            )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be divisible by num_kv_heads ({self.num_kv_heads})"

@@ -33,6 +33,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from data.batches import Loader, SyntheticTokenLoader
+from data.tokens import EOF_ID, EOV_ID
 from lwm.attention.layout import zigzag_permutation
 from lwm.base.mesh import MeshError, check_batch_fits, make_mesh
 from lwm.config import Config, DistributedConfig, config_to_yaml
@@ -129,6 +130,14 @@ def build_loader(cfg: Config, seq_len: int, layout: np.ndarray | None) -> Loader
         raise TrainingError(
             f"dataset '{data.source}' was tokenized with a VQGAN of {codes} codes, but "
             f"model.vision_codes is {cfg.model.vision_codes}"
+        )
+    markers = loader.metadata.get("markers") or {}
+    ours = {"eof": EOF_ID, "eov": EOV_ID}
+    if any(markers.get(k, v) != v for k, v in ours.items()):
+        found = {k: markers.get(k) for k in ours}
+        raise TrainingError(
+            f"dataset '{data.source}' marks frames with {found}, but this version's token stream "
+            f"uses {ours} (data.tokens): tokenize it again"
         )
     vocab = int(loader.metadata["text_tokenizer"]["vocab_size"])
     if vocab > cfg.model.text_vocab_size:

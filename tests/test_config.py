@@ -137,3 +137,11 @@ def test_yaml_round_trip(tmp_path: Path) -> None:
     path = tmp_path / "dumped.yaml"
     path.write_text(config_to_yaml(config))
     assert load_config(path) == config
+
+
+def test_vision_vocabulary_must_hold_the_markers() -> None:
+    from data.tokens import EOV_ID
+
+    with pytest.raises(ConfigError, match=f"vision_vocab_size .*must exceed the <eov> id {EOV_ID}"):
+        load_config(DEBUG, [f"model.vision_vocab_size={EOV_ID}"])
+    assert load_config(DEBUG, [f"model.vision_vocab_size={EOV_ID + 1}"]).model.vision_vocab_size

@@ -98,3 +98,17 @@ def test_the_walk_sees_upward_imports(tmp_path: Path) -> None:
     assert found == [(2, "lwm.loss"), (3, "vqgan.train")]
     assert layer_of("lwm.loss") > layer_of("data.batches") > layer_of("vqgan")
     assert layer_of("lwm.base.mesh") == 0 and layer_of("lwm.commands.train") == len(LAYERS) - 1
+
+
+def test_vision_ids_have_one_owner() -> None:
+    # The code count and marker ids of the token stream are written down in data/tokens.py
+    # only; every other module of lwm/ and data/ takes them from there.
+    owner = ROOT / "data" / "tokens.py"
+    literals = []
+    for module, path in module_names().items():
+        if path == owner or module.startswith("vqgan"):  # the VQGAN's codebook is its own fact
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value in (8192, 8193, 8448):
+                literals.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value}")
+    assert not literals, "vision ids written outside data/tokens.py:\n" + "\n".join(literals)

@@ -183,3 +183,33 @@ def test_pad_mode_one_example_per_row_truncated(dataset):
         assert n == min(LENGTHS[first // 1000], SEQ)  # longer examples are truncated
         starts.add(first // 1000)
     assert starts == set(range(len(LENGTHS)))
+
+
+def test_training_refuses_a_dataset_with_other_markers_or_vocabularies(tmp_path):
+    # lwm train checks a dataset's markers and vocabularies against the token stream's
+    # (data.tokens) and the model's before the first step.
+    from data.tokens import EOF_ID, EOV_ID
+    from lwm.config import load_config
+    from lwm.train import TrainingError, build_loader
+
+    def dataset(name, **metadata):
+        path = write_dataset(tmp_path / name, LENGTHS[:4], shards=1)
+        meta = {"text_tokenizer": {"vocab_size": 100}, "markers": {"eof": EOF_ID, "eov": EOV_ID}}
+        meta.update(metadata)
+        (path / "metadata.json").write_text(json.dumps(meta))
+        return path
+
+    def loader_for(path, *overrides):
+        cfg = load_config("configs/debug.yaml", [f"data.source={path}", *overrides])
+        return build_loader(cfg, SEQ, None)
+
+    assert loader_for(dataset("ok"), "train.batch_size=4")
+    moved = dataset("moved", markers={"eof": EOF_ID + 10, "eov": EOV_ID + 10})
+    with pytest.raises(TrainingError, match=f"uses {{'eof': {EOF_ID}, 'eov': {EOV_ID}}}"):
+        loader_for(moved, "train.batch_size=4")
+    big = dataset("big", text_tokenizer={"vocab_size": 10**6})
+    with pytest.raises(TrainingError, match="text vocabulary of 1000000 tokens"):
+        loader_for(big, "train.batch_size=4")
+    codes = dataset("codes", vqgan={"codebook_size": 1024})
+    with pytest.raises(TrainingError, match="VQGAN of 1024 codes, but model.vision_codes is 512"):
+        loader_for(codes, "train.batch_size=4", "model.vision_codes=512")

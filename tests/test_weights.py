@@ -227,7 +227,7 @@ def test_hf_unsupported_configs_are_rejected():
 def lwm_cfg(**overrides):
     base = dict(
         text_vocab_size=128,
-        vision_vocab_size=96,
+        vision_vocab_size=8448,  # codes and the <eof>/<eov> markers (8193)
         hidden_size=32,
         intermediate_size=64,
         num_layers=2,
@@ -362,7 +362,7 @@ def test_lwm_save_matches_writer_and_round_trips(tmp_path):
             np.testing.assert_array_equal(a[key], b[key], "/".join(key))
         assert_params_equal(load_lwm_streaming(ours, source.cfg), source)
     fields = lwm_config(source.cfg, scan_layers=True)
-    assert (fields["num_attention_heads"], fields["vision_vocab_size"]) == (4, 96)
+    assert (fields["num_attention_heads"], fields["vision_vocab_size"]) == (4, 8448)
 
 
 def test_lwm_trainstate_and_text_only_checkpoints(tmp_path):
