@@ -49,6 +49,7 @@ __all__ = [
     "TextCodec",
     "build_example",
     "qa_prompt",
+    "qa_prompt_streams",
     "vision_span",
 ]
 
@@ -150,6 +151,27 @@ class Example:
         }
 
 
+def _begin(codec: TextCodec, codes: np.ndarray | None, train_vision: bool) -> Example:
+    """BOS, then the video (``<vision>`` codes ``</vision>``) when there is one."""
+    ex = Example()
+    if codec.bos_id is not None:
+        ex.add([codec.bos_id], vision=False, loss=False)
+    if codes is not None:
+        ex.add(codec.vision_start, vision=False, loss=train_vision)
+        ex.add(vision_span(codes), vision=True, loss=train_vision)
+        ex.add(codec.vision_end, vision=False, loss=train_vision)
+    return ex
+
+
+def qa_prompt_streams(codec: TextCodec, codes: np.ndarray, question: str):
+    """``(tokens, vision_mask)`` of the prompt for one question about one video: a QA record
+    (`build_example`) up to and including its first ``ASSISTANT:``, where the answer follows."""
+    ex = _begin(codec, codes, train_vision=False)
+    ex.add(codec.encode(qa_prompt(question)), vision=False, loss=False)
+    arrays = ex.arrays()
+    return arrays["tokens"], arrays["vision_mask"].astype(bool)
+
+
 def build_example(
     codec: TextCodec,
     codes: np.ndarray | None = None,
@@ -167,14 +189,8 @@ def build_example(
         raise ValueError("an example has a caption or questions, not both")
     if codes is None and text is None:
         raise ValueError("a text-only example needs text")
-    ex = Example()
-    if codec.bos_id is not None:
-        ex.add([codec.bos_id], vision=False, loss=False)
     train_vision = qa is None if learn_video is None else learn_video
-    if codes is not None:
-        ex.add(codec.vision_start, vision=False, loss=train_vision)
-        ex.add(vision_span(codes), vision=True, loss=train_vision)
-        ex.add(codec.vision_end, vision=False, loss=train_vision)
+    ex = _begin(codec, codes, train_vision)
     eos = [codec.eos_id] if codec.eos_id is not None else []
     if qa is not None:
         for turn in qa:

@@ -21,13 +21,13 @@ import numpy as np
 
 from data.decode import DecodeOptions, decode_item
 from data.manifest import Item
-from data.tokens import TextCodec, qa_prompt, vision_span
+from data.tokens import TextCodec, qa_prompt_streams
 from lwm.base.mesh import batch_devices
 from lwm.generate import GREEDY, Sampling, generate
 from lwm.model import LWMModel
 from lwm.qa_eval import Answer
 
-__all__ = ["VideoQA", "qa_prompt_streams", "video_codes"]
+__all__ = ["VideoQA", "video_codes"]
 
 
 def video_codes(vqgan: Any, path: str | Path, *, max_frames: int | None, fps: float | None = None):
@@ -41,21 +41,6 @@ def video_codes(vqgan: Any, path: str | Path, *, max_frames: int | None, fps: fl
     if decoded.error is not None:
         raise ValueError(decoded.error)
     return np.asarray(vqgan.encode(decoded.frames[None]))[0]
-
-
-def qa_prompt_streams(codec: TextCodec, codes: np.ndarray, question: str):
-    """``(tokens, vision_mask)`` of the prompt for one question about one video."""
-    tokens: list[int] = [] if codec.bos_id is None else [codec.bos_id]
-    vision: list[bool] = [False] * len(tokens)
-    for ids, is_vision in (
-        (codec.vision_start, False),
-        (vision_span(codes).tolist(), True),
-        (codec.vision_end, False),
-        (codec.encode(qa_prompt(question)), False),
-    ):
-        tokens += list(ids)
-        vision += [is_vision] * len(ids)
-    return np.asarray(tokens, np.int32), np.asarray(vision, bool)
 
 
 class VideoQA:

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from data.tokens import TextCodec, build_example
+from data.tokens import TextCodec, build_example, qa_prompt_streams
 from lwm.cli import main as lwm
-from lwm.vision_qa import qa_prompt_streams
 
 
 def test_qa_prompt_is_the_context_of_a_training_record():
