@@ -40,7 +40,6 @@ from lwm.config import Config, DistributedConfig, config_to_yaml
 from lwm.info import flops_per_token
 from lwm.runs import (
     checkpoint_manager,
-    load_run,
     restore_newest,
     save_checkpoint,
 )
@@ -439,9 +438,6 @@ def _initial_params(cfg, model_cfg, mesh, log):
     if not source:
         return nnx.state(create_model(model_cfg, mesh=mesh, seed=cfg.seed), nnx.Param)
     log(f"initialising from {source}")
-    if source.startswith("run:"):
-        _, model = load_run(source[4:], mesh=mesh, log=log)
-        return nnx.state(model, nnx.Param)
     from lwm.weights import load_model
 
-    return nnx.state(load_model(source, model_cfg, mesh=mesh), nnx.Param)
+    return nnx.state(load_model(source, model_cfg, mesh=mesh, log=log), nnx.Param)

@@ -166,12 +166,13 @@ def load_video_qa(
     model ``config`` file), and what its training dataset records. The VQGAN, the tokenizer and
     the frame sampling default to the training dataset's; ``options`` go to `VideoQA`."""
     from lwm.config import load_config
-    from lwm.weights import load_model
+    from lwm.weights import detect_format, load_model
 
-    if model.startswith("run:"):
+    fmt, location = detect_format(model)
+    if fmt == "run":  # the run's own config says how its dataset was made
         from lwm.runs import load_run
 
-        cfg, lm = load_run(model[4:], mesh=mesh, log=log)
+        cfg, lm = load_run(location, mesh=mesh, log=log)
     else:
         if not config:
             raise ValueError("a model config is needed with a --model that is not run:DIR")

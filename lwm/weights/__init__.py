@@ -15,6 +15,7 @@ orbax metadata is orbax, and a file is an LWM streaming checkpoint.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from flax import nnx
@@ -70,9 +71,14 @@ def detect_format(source: str | os.PathLike) -> tuple[str, str]:
     )
 
 
-def load_model(source: str | os.PathLike, cfg: ModelConfig, mesh: Mesh | None = None) -> LWMModel:
+def load_model(
+    source: str | os.PathLike,
+    cfg: ModelConfig,
+    mesh: Mesh | None = None,
+    log: Callable[[str], None] | None = None,
+) -> LWMModel:
     """An `LWMModel` with the weights at ``source`` (see the module docstring), placed directly
-    into the shardings of ``mesh``."""
+    into the shardings of ``mesh``. ``log``: where a run's loading is reported (stderr)."""
     fmt, location = detect_format(source)
     if fmt == "hf":
         return load_hf_llama(location, cfg, mesh)
@@ -81,7 +87,7 @@ def load_model(source: str | os.PathLike, cfg: ModelConfig, mesh: Mesh | None = 
     if fmt == "run":
         from lwm.runs import load_run
 
-        run_cfg, model = load_run(location, mesh=mesh)
+        run_cfg, model = load_run(location, mesh=mesh, **({"log": log} if log else {}))
         _check_same_shapes(run_cfg.model, cfg, location)
         # The run's weights under the config asked for (e.g. a longer context, a new theta).
         graphdef = nnx.graphdef(nnx.eval_shape(lambda: LWMModel(cfg, rngs=nnx.Rngs(0), mesh=mesh)))
