@@ -70,5 +70,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(module.run(args))
     except USER_ERRORS as e:
         message = " ".join(str(e).split())
-        print(f"lwm: error: {message}", file=sys.stderr)
+        print(f"lwm {top.command}: error: {message}", file=sys.stderr)
         return 2

@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
             args.subcommand
         ](args)
     except (LegacyPickleError, WeightsError, VideoError) as e:
-        print(f"lwm: error: {' '.join(str(e).split())}", file=sys.stderr)
+        print(f"lwm vqgan: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
 
 
