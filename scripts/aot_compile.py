@@ -34,7 +34,7 @@ def _parse() -> argparse.Namespace:
     p.add_argument(
         "--cpu-devices", type=int, default=8, help="simulated CPU devices (no --topology)"
     )
-    return p.parse_args()
+    return p.parse_intermixed_args()  # KEY=VALUE overrides anywhere, as the usage shows
 
 
 def main() -> int:
