@@ -46,8 +46,8 @@ from lwm.runs import (
 from lwm.train_step import (
     abstract_train_state,
     batch_sharding,
+    jit_train_step,
     optimizer_from_config,
-    train_step,
 )
 
 
@@ -291,20 +291,14 @@ def train(cfg: Config, *, log=None) -> TrainResult:
         manager.close()
         return TrainResult(step=start, stopped_by=None)
 
-    step_fn = jax.jit(
-        lambda p, o, b: train_step(
-            p,
-            o,
-            b,
-            graphdef=graphdef,
-            tx=tx,
-            weights=(tc.text_loss_weight, tc.vision_loss_weight),
-            grad_accum=tc.grad_accum,
-            mesh=mesh,
-        ),
-        in_shardings=(shardings["params"], shardings["opt_state"], batch_sharding(mesh)),
-        out_shardings=(shardings["params"], shardings["opt_state"], NamedSharding(mesh, P())),
-        donate_argnums=(0, 1),
+    step_fn = jit_train_step(
+        graphdef,
+        tx,
+        mesh,
+        abs_params,
+        abs_opt,
+        weights=(tc.text_loss_weight, tc.vision_loss_weight),
+        grad_accum=tc.grad_accum,
     )
     tokens_per_step = tc.batch_size * seq_len
     model_flops = flops_per_token(model_cfg, seq_len).train * tokens_per_step

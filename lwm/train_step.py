@@ -210,3 +210,29 @@ def optimizer_from_config(tc: TrainConfig) -> tuple[optax.GradientTransformation
         b2=tc.b2,
         clip_norm=tc.clip_norm,
     )
+
+
+def jit_train_step(
+    graphdef: nnx.GraphDef,
+    tx: optax.GradientTransformation,
+    mesh: Mesh,
+    params: nnx.State,
+    opt_state,
+    *,
+    weights: tuple[float, float] = (0.5, 0.5),
+    grad_accum: int = 1,
+):
+    """The jitted training step `lwm train` runs, and the one `scripts/aot_compile.py` and
+    `scripts/bench_train.py` compile: parameters and optimizer state keep the shardings their
+    leaves carry in ``params`` / ``opt_state`` (abstract ones from `abstract_train_state`),
+    the batch is sharded by `batch_sharding`, and both state buffers are donated."""
+    param_shardings = jax.tree.map(lambda x: x.sharding, params)
+    opt_shardings = jax.tree.map(lambda x: x.sharding, opt_state)
+    return jax.jit(
+        lambda p, o, b: train_step(
+            p, o, b, graphdef=graphdef, tx=tx, weights=weights, grad_accum=grad_accum, mesh=mesh
+        ),
+        in_shardings=(param_shardings, opt_shardings, batch_sharding(mesh)),
+        out_shardings=(param_shardings, opt_shardings, NamedSharding(mesh, P())),
+        donate_argnums=(0, 1),
+    )

@@ -51,7 +51,7 @@ def main() -> int:
     from lwm.base.mesh import MeshError, check_batch_fits, make_mesh
     from lwm.config import ConfigError, load_config
     from lwm.info import memory_per_device
-    from lwm.train_step import abstract_batch, abstract_train_state, make_optimizer, train_step
+    from lwm.train_step import abstract_batch, abstract_train_state, jit_train_step, make_optimizer
 
     try:
         cfg = load_config(args.config, args.overrides)
@@ -76,9 +76,7 @@ def main() -> int:
     t0 = time.perf_counter()
     graphdef, params, opt_state = abstract_train_state(model_cfg, mesh, tx)
     batch = abstract_batch(mesh, args.batch, seq)
-    step = jax.jit(
-        lambda p, o, b: train_step(p, o, b, graphdef=graphdef, tx=tx), donate_argnums=(0, 1)
-    )
+    step = jit_train_step(graphdef, tx, mesh, params, opt_state)
     lowered = step.lower(params, opt_state, batch)
     t1 = time.perf_counter()
     compiled = lowered.compile()

@@ -27,8 +27,6 @@ import time  # noqa: E402
 
 import jax  # noqa: E402
 from flax import nnx  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from data.batches import SyntheticTokenLoader  # noqa: E402
 from lwm.attention.layout import zigzag_permutation  # noqa: E402
@@ -37,7 +35,12 @@ from lwm.config import load_config  # noqa: E402
 from lwm.info import flops_per_token, param_counts  # noqa: E402
 from lwm.model import create_model  # noqa: E402
 from lwm.train import measure_peak_flops  # noqa: E402
-from lwm.train_step import batch_sharding, make_optimizer, train_step  # noqa: E402
+from lwm.train_step import (  # noqa: E402
+    abstract_train_state,
+    batch_sharding,
+    jit_train_step,
+    make_optimizer,
+)
 
 SIZES = {
     # name: (config, overrides)
@@ -70,7 +73,9 @@ def bench_one(size: str, seq: int, attention: str, mesh, batch: int, repeats: in
     model = create_model(cfg, mesh=mesh)
     graphdef, params = nnx.split(model, nnx.Param)
     tx, _ = make_optimizer(1e-4)
-    opt_state = tx.init(params)
+    _, abs_params, abs_opt = abstract_train_state(cfg, mesh, tx)
+    opt_shardings = jax.tree.map(lambda x: x.sharding, abs_opt)
+    opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
     sp = mesh.shape["sp"]
     layout = zigzag_permutation(seq, sp) if attention == "ring" and sp > 1 else None
     loader = SyntheticTokenLoader(
@@ -78,11 +83,7 @@ def bench_one(size: str, seq: int, attention: str, mesh, batch: int, repeats: in
     )
     sharding = batch_sharding(mesh)
     data = {k: jax.device_put(v, sharding) for k, v in next(loader).items()}
-    step = jax.jit(
-        lambda p, o, b: train_step(p, o, b, graphdef=graphdef, tx=tx, mesh=mesh),
-        out_shardings=(None, None, NamedSharding(mesh, P())),
-        donate_argnums=(0, 1),
-    )
+    step = jit_train_step(graphdef, tx, mesh, abs_params, abs_opt)
     t0 = time.perf_counter()
     compiled = step.lower(params, opt_state, data).compile()
     compile_s = time.perf_counter() - t0

@@ -63,7 +63,9 @@ def test_in_process_plan_and_help(capsys, monkeypatch) -> None:
     out = capsys.readouterr().out
     assert "per device on mesh dp=1 fsdp=8 sp=32 tp=1 (256 devices)" in out
     assert main(["info", "configs/missing.yaml"]) == 2
-    assert capsys.readouterr().err == "lwm info: error: config file 'configs/missing.yaml' not found\n"
+    assert (
+        capsys.readouterr().err == "lwm info: error: config file 'configs/missing.yaml' not found\n"
+    )
     with pytest.raises(SystemExit) as exit_info:
         main(["info", "--help"])
     assert exit_info.value.code == 0
