@@ -26,14 +26,13 @@ video) and ``OUT/manifest.jsonl``, the input of ``lwm tokenize``: per video one 
 whose turns come in an order drawn per video, so every kind of question is the first turn
 (the place `lwm ask` puts a question) in some videos. Categories: ``count``, ``count_shape``,
 ``colour``, ``shape``, ``direction``, ``needle`` (`VideoSpec.qa`). Video paths in the manifest are relative
-to the manifest's directory (`read_manifest` resolves them). Files are written under temporary
+to the manifest's directory (`data.manifest.read_inputs` reads them). Files are written under temporary
 names and renamed when complete.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -62,7 +61,6 @@ __all__ = [
     "MovingShape",
     "Needle",
     "VideoSpec",
-    "read_manifest",
     "render_frames",
     "render_video",
     "sample_video",
@@ -383,26 +381,6 @@ def write_dataset(
     write_jsonl(out / "videos.jsonl", specs)
     write_jsonl(out / "manifest.jsonl", manifest)
     return out / "manifest.jsonl"
-
-
-def read_manifest(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """The lines of a manifest, with each ``video`` resolved against the manifest's directory."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"manifest '{path}' not found")
-    rows = []
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"manifest '{path}' line {lineno}: not valid JSON: {e}") from None
-        if not isinstance(row, dict) or "video" not in row:
-            raise ValueError(f"manifest '{path}' line {lineno}: expected an object with 'video'")
-        row["video"] = str((path.parent / row["video"]).resolve())
-        rows.append(row)
-    return rows
 
 
 def _pair(text: str) -> tuple[float, float]:

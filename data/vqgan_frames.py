@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from data.synthetic import read_manifest, render_frames
+from data.manifest import read_inputs
+from data.synthetic import render_frames
 from lwm.base.media import read_video
 from vqgan import FrameSource, VQGANConfig, to_resolution
 
@@ -28,7 +29,8 @@ def load_frames(cfg: VQGANConfig) -> FrameSource:
         held_out = held_out.reshape(-1, size, size, 3)
     else:
         assert d.manifest is not None
-        videos = list(dict.fromkeys(row["video"] for row in read_manifest(d.manifest)))
+        items = read_inputs(d.manifest)
+        videos = list(dict.fromkeys(i.path for i in items if i.kind != "text" and i.path))
         if len(videos) < 2:
             raise ValueError(f"manifest '{d.manifest}' needs at least 2 videos (train and eval)")
         n_eval = max(1, round(len(videos) * d.eval_fraction))

@@ -15,7 +15,6 @@ tokens/s, step time and MFU.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import signal
@@ -36,6 +35,7 @@ from data.batches import Loader, SyntheticTokenLoader
 from data.tokens import EOF_ID, EOV_ID
 from lwm.attention.layout import zigzag_permutation
 from lwm.base.mesh import MeshError, check_batch_fits, make_mesh
+from lwm.base.metrics import MetricsWriter
 from lwm.config import Config, DistributedConfig, config_to_yaml
 from lwm.info import flops_per_token
 from lwm.runs import (
@@ -200,47 +200,6 @@ class QAEvaluator:
                 metrics[f"{condition}_{name}"] = correct / total
         metrics["model_cut"] = float(report.cut("model"))
         return metrics
-
-
-# ----------------------------------------------------------------------------------------------
-# metrics
-
-
-class MetricsWriter:
-    """JSONL and TensorBoard scalars, written by process 0 only."""
-
-    def __init__(self, output_dir: Path, enabled: bool):
-        self.enabled = enabled
-        self.jsonl = None
-        self.tb = None
-        if not enabled:
-            return
-        output_dir.mkdir(parents=True, exist_ok=True)
-        self.jsonl = open(output_dir / "metrics.jsonl", "a")  # noqa: SIM115
-        try:
-            from tensorboardX import SummaryWriter
-
-            self.tb = SummaryWriter(str(output_dir / "tensorboard"))
-        except ImportError:  # pragma: no cover - tensorboardX is a dependency
-            self.tb = None
-
-    def write(self, step: int, metrics: dict[str, float], split: str = "train") -> None:
-        """One JSONL line (``"split"`` named unless it is ``train``) and TensorBoard scalars
-        under ``SPLIT/``."""
-        if not self.enabled:
-            return
-        tag = {} if split == "train" else {"split": split}
-        self.jsonl.write(json.dumps({"step": step, **tag, **metrics}) + "\n")
-        self.jsonl.flush()
-        if self.tb is not None:
-            for k, v in metrics.items():
-                self.tb.add_scalar(f"{split}/{k}", v, step)
-
-    def close(self) -> None:
-        if self.jsonl is not None:
-            self.jsonl.close()
-        if self.tb is not None:
-            self.tb.close()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -6,10 +6,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from data.manifest import read_inputs
 from data.synthetic import (
     NUMBER_WORDS,
     check_spec,
-    read_manifest,
     render_frames,
     render_video,
     sample_video,
@@ -106,16 +106,17 @@ def test_a_spec_the_pixels_cannot_settle_is_reported() -> None:
 
 def test_mp4_dataset_read_back_with_decord(tmp_path: Path) -> None:
     manifest = write_dataset(tmp_path, count=3, seed=1, size=32, num_frames=8, fps=8)
-    rows = read_manifest(manifest)
+    rows = read_inputs(manifest)
     assert len(rows) == 6
-    assert [set(r) for r in rows[:2]] == [{"video", "text"}, {"video", "qa"}]
+    assert [(r.text is None, r.qa is None) for r in rows[:2]] == [(False, True), (True, False)]
     for i in range(3):
-        path = Path(rows[2 * i]["video"])
-        assert path == (tmp_path / f"videos/{i:05d}.mp4").resolve() and path.is_file()
+        path = Path(rows[2 * i].path)
+        assert path == (tmp_path / f"videos/{i:05d}.mp4").absolute() and path.is_file()
         frames = read_video(path)
         assert frames.shape == (8, 32, 32, 3) and frames.dtype == np.uint8
         spec = sample_video(1, i, size=32, num_frames=8)
-        assert rows[2 * i]["text"] == spec.caption and rows[2 * i + 1]["qa"] == spec.qa
+        assert rows[2 * i].text == spec.caption
+        assert [t._asdict() for t in rows[2 * i + 1].qa] == spec.qa
         rendered = render_video(spec)
         assert np.abs(frames.astype(int) - rendered).mean() < 4  # H.264 at low CRF
         # Every answer can be read off the decoded video, too.

@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from lwm.base.media import write_png
 from lwm.base.mesh import BATCH_AXES, MeshError, batch_devices
+from lwm.base.metrics import MetricsWriter
 from vqgan.checkpoint import Checkpointer
 from vqgan.config import (
     LossConfig,
@@ -251,25 +252,6 @@ def _grid(originals: np.ndarray, recon: np.ndarray, min_size: int = 128) -> np.n
     return np.repeat(np.repeat(grid, scale, axis=0), scale, axis=1)
 
 
-class _Logger:
-    def __init__(self, out: Path):
-        from tensorboardX import SummaryWriter
-
-        self._jsonl = (out / "metrics.jsonl").open("a")
-        self._tb = SummaryWriter(str(out / "tb"))
-
-    def log(self, step: int, split: str, metrics: dict[str, float]) -> None:
-        self._jsonl.write(json.dumps({"step": step, "split": split, **metrics}) + "\n")
-        self._jsonl.flush()
-        for key, value in metrics.items():
-            self._tb.add_scalar(f"{split}/{key}", value, step)
-        self._tb.flush()
-
-    def close(self) -> None:
-        self._jsonl.close()
-        self._tb.close()
-
-
 def train(
     cfg: VQGANConfig,
     *,
@@ -306,7 +288,7 @@ def train(
     step_fn = make_train_step(cfg)
     batch_sharding = NamedSharding(mesh, BATCH)
     base_key = _key(cfg.seed)
-    logger = _Logger(out)
+    logger = MetricsWriter(out, tensorboard="tb", always_split=True)
     metrics: dict[str, float] = {}
     bar = tqdm(
         range(start, t.steps), initial=start, total=t.steps, disable=not t.progress, unit="step"
@@ -333,11 +315,11 @@ def train(
             row = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
             row["frames_per_s"] = (done - tick_step) * t.batch_size / max(now - tick, 1e-9)
             tick, tick_step = now, done
-            logger.log(done, "train", row)
+            logger.write(done, row, "train")
             bar.set_postfix(loss=f"{row['loss']:.4f}", used=f"{row['codebook_used']:.2f}")
         if done % t.eval_every == 0 or done == t.steps:
             metrics, recon = evaluate(state.model, eval_frames, t.batch_size, mesh)
-            logger.log(done, "eval", metrics)
+            logger.write(done, metrics, "eval")
             write_png(
                 out / "samples" / f"step_{done:06d}.png",
                 _grid(eval_frames[grid_idx], recon[grid_idx]),

@@ -3,7 +3,9 @@
 - `lwm.base.config`: YAML configs with `base:` links and `key=value` overrides, validated
   into typed classes, with one error line naming the key (`ConfigError`);
 - `lwm.base.mesh`: the `(dp, fsdp, sp, tp)` device mesh and the logical axis rules;
-- `lwm.base.media`: reading videos and images (decord, PyAV) and writing MP4/PNG atomically.
+- `lwm.base.media`: reading videos and images (decord, PyAV) and writing MP4/PNG atomically;
+- `lwm.base.files`: atomic writes (a temporary name, renamed when complete);
+- `lwm.base.metrics`: ``metrics.jsonl`` and TensorBoard scalars of a training run.
 
 Layers, bottom to top (a test walks every import): base -> `vqgan` -> `data` -> the model
 (`lwm.model`, `lwm.attention`, `lwm.loss`, `lwm.weights`) -> training, inference and
