@@ -17,7 +17,7 @@ what is there for one frame) and a draw whose frames do not give every answer is
     spec.caption, spec.qa                        # "Two shapes ...", [{"question", "answer", "category"}]
     frames = render_frames(count=100, seed=0)    # uint8 [100, T, H, W, 3], for VQGAN training
 
-    python -m data.synthetic --out runs/synthetic --count 200 --seed 0 --size 64 --frames 16
+    lwm synthetic --out runs/synthetic --count 200 --seed 0 --size 64 --frames 16
 
 writes ``OUT/videos/00000.mp4 ...`` (H.264), ``OUT/videos.jsonl`` (every attribute of every
 video) and ``OUT/manifest.jsonl``, the input of ``lwm tokenize``: per video one caption line
@@ -32,9 +32,7 @@ names and renamed when complete.
 
 from __future__ import annotations
 
-import argparse
 import os
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -361,6 +359,13 @@ def write_dataset(
     from lwm.base.media import write_mp4
 
     out = Path(out)
+
+    def draw(i: int) -> VideoSpec:
+        return sample_video(
+            seed, i, size=size, num_frames=num_frames, fps=fps, needle_prob=needle_prob, **world
+        )
+
+    first = draw(0) if count else None  # a world that cannot be drawn fails before any output
     (out / "videos").mkdir(parents=True, exist_ok=True)
     specs, manifest = [], []
     indices: Any = range(count)
@@ -369,9 +374,7 @@ def write_dataset(
 
         indices = tqdm(indices, desc="synthetic videos", unit="video")
     for i in indices:
-        spec = sample_video(
-            seed, i, size=size, num_frames=num_frames, fps=fps, needle_prob=needle_prob, **world
-        )
+        spec = first if i == 0 and first is not None else draw(i)
         rel = f"videos/{i:05d}.mp4"
         write_mp4(out / rel, render_video(spec), fps=fps, pix_fmt="yuv444p")
         specs.append({"video": rel, **spec.to_json()})
@@ -381,59 +384,3 @@ def write_dataset(
     write_jsonl(out / "videos.jsonl", specs)
     write_jsonl(out / "manifest.jsonl", manifest)
     return out / "manifest.jsonl"
-
-
-def _pair(text: str) -> tuple[float, float]:
-    try:
-        lo, hi = (float(v) for v in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected LO,HI (two numbers), got {text!r}") from None
-    if not 0 < lo <= hi < 1:
-        raise argparse.ArgumentTypeError(f"expected 0 < LO <= HI < 1, got {text!r}")
-    return lo, hi
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m data.synthetic", description=__doc__.split("\n\n")[0]
-    )
-    parser.add_argument("--out", required=True, help="output folder")
-    parser.add_argument("--count", type=int, default=100, help="number of videos")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--size", type=int, default=64, help="frame height and width (even)")
-    parser.add_argument("--frames", type=int, default=16, help="frames per video")
-    parser.add_argument("--fps", type=int, default=8)
-    parser.add_argument("--needle-prob", type=float, default=0.5)
-    parser.add_argument(
-        "--max-objects", type=int, default=3, help="moving shapes per video, at most"
-    )
-    parser.add_argument(
-        "--radius", type=_pair, default=RADIUS, help="LO,HI: shape radius as a fraction of --size"
-    )
-    parser.add_argument(
-        "--travel", type=_pair, default=TRAVEL, help="LO,HI: distance moved, fraction of --size"
-    )
-    parser.add_argument(
-        "--no-captions", action="store_true", help="only QA lines in the manifest, no captions"
-    )
-    args = parser.parse_args(argv)
-    manifest = write_dataset(
-        args.out,
-        args.count,
-        args.seed,
-        size=args.size,
-        num_frames=args.frames,
-        fps=args.fps,
-        needle_prob=args.needle_prob,
-        progress=True,
-        captions=not args.no_captions,
-        max_objects=args.max_objects,
-        radius=args.radius,
-        travel=args.travel,
-    )
-    print(manifest)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "tokenize": ("lwm.commands.tokenize", "videos, images and text to an LWM token dataset"),
     "vqgan": ("lwm.commands.vqgan", "the VQGAN video tokenizer: train, encode, decode, import"),
+    "synthetic": ("lwm.commands.synthetic", "synthetic videos of moving shapes with QA manifests"),
 }
 
 # Errors caused by the user's input: reported as one line, exit status 2, no traceback.

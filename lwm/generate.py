@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from data.tokens import EOF_ID, EOV_ID, NUM_CODES
+from lwm.attention import default_positions
 from lwm.attention.decode import decode_attention_local, ring_decode_attention
 from lwm.model import LWMModel
 
@@ -92,7 +93,7 @@ def prefill(
     each layer's keys and values. Returns the cache and the hidden state of each row's last
     prompt token."""
     b, p = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    positions = default_positions(b, p)
 
     def attend(q, k, v, _):
         # Right padding needs no mask: causal attention never looks ahead at it.

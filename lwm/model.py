@@ -19,7 +19,12 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from data.tokens import EOF_ID, EOV_ID
-from lwm.attention import blockwise_attention, dense_attention, ring_attention
+from lwm.attention import (
+    blockwise_attention,
+    default_positions,
+    dense_attention,
+    ring_attention,
+)
 from lwm.base.mesh import logical_sharding, logical_to_spec
 from lwm.config import ModelConfig
 from lwm.info import ParamSpec, layer_param_specs, param_specs
@@ -265,7 +270,7 @@ class LWMModel(nnx.Module):
         """Final normalised hidden states ``[batch, seq, hidden]`` in the compute dtype."""
         b, s = tokens.shape
         if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+            positions = default_positions(b, s)
 
         def attend(q, k, v, _):
             return self._attention(q, k, v, positions, segment_ids), None

@@ -8,7 +8,7 @@ about videos it has never seen, scored against a model that never sees them.
 Each step is a command a user would type (printed before it runs) and is skipped or resumed
 when its output already exists, so rerunning the demo continues where it stopped:
 
- 1. `python -m data.synthetic`: short MP4 videos of moving coloured shapes with questions whose
+ 1. `lwm synthetic`: short MP4 videos of moving coloured shapes with questions whose
     answers follow from the frames (checked on the pixels), a training set and a held-out set
     of another seed;
  2. `lwm vqgan train`: the demo VQGAN (32x32 frames, 8x8 codes of 512) on the training videos;
@@ -81,7 +81,7 @@ def main() -> int:
     for manifest, count, seed in ((train_videos, args.videos, 0), (held_out, args.held_out, 1)):
         if not manifest.is_file():
             run(
-                [py, "-m", "data.synthetic", "--out", str(manifest.parent), "--count", str(count)]
+                [*lwm, "synthetic", "--out", str(manifest.parent), "--count", str(count)]
                 + ["--seed", str(seed), "--frames", str(args.frames), *WORLD],
                 env=env,
             )

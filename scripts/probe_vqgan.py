@@ -51,7 +51,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=99, help="a seed the VQGAN never trained on")
     p.add_argument("--max-distance", type=float, default=80.0, help="colour tolerance, decoded")
     p.add_argument("--max-objects", type=int, default=3)
-    p.add_argument("--radius", default=None, help="LO,HI as in python -m data.synthetic")
+    p.add_argument("--radius", default=None, help="LO,HI as in lwm synthetic")
     args = p.parse_args()
 
     import vqgan

@@ -34,12 +34,14 @@ def test_info_7b() -> None:
     assert "GiB" in out
 
 
-def _assert_one_line_error(result: subprocess.CompletedProcess, *needles: str) -> None:
+def _assert_one_line_error(
+    result: subprocess.CompletedProcess, *needles: str, verb: str = "info"
+) -> None:
     assert result.returncode == 2
     assert result.stdout == ""
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("lwm info: error: ")
+    assert lines[0].startswith(f"lwm {verb}: error: "), lines[0]
     assert "Traceback" not in result.stderr
     for needle in needles:
         assert needle in lines[0]
@@ -70,3 +72,19 @@ def test_in_process_plan_and_help(capsys, monkeypatch) -> None:
         main(["info", "--help"])
     assert exit_info.value.code == 0
     assert "--devices N" in capsys.readouterr().out
+
+
+def test_synthetic_verb_writes_a_manifest_and_refuses_an_impossible_world(tmp_path) -> None:
+    from lwm.cli import main
+
+    out = tmp_path / "videos"
+    assert (
+        main(["synthetic", "--out", str(out), "--count", "2", "--size", "32", "--frames", "4"]) == 0
+    )
+    lines = (out / "manifest.jsonl").read_text().splitlines()
+    assert len(lines) == 4 and (out / "videos" / "00001.mp4").is_file()
+    result = _lwm(
+        "synthetic", "--out", str(tmp_path / "no"), "--size", "16", "--radius", "0.45,0.49"
+    )
+    _assert_one_line_error(result, "could not draw an answerable video", verb="synthetic")
+    assert not (tmp_path / "no").exists()  # nothing written

@@ -2,6 +2,7 @@
 (one new token against a cache sharded over the ring), and the zigzag layout that balances the
 causal ring's work."""
 
+from lwm.attention._common import default_positions
 from lwm.attention.blockwise import attention_flops, blockwise_attention
 from lwm.attention.decode import ring_decode_attention
 from lwm.attention.dense import dense_attention
@@ -11,6 +12,7 @@ from lwm.attention.ring import ring_attention, ring_attention_local
 __all__ = [
     "attention_flops",
     "blockwise_attention",
+    "default_positions",
     "dense_attention",
     "inverse_permutation",
     "ring_attention",

@@ -102,6 +102,7 @@ def block_kind(q_pos, kv_pos, q_seg, kv_seg, causal: bool, xp=jnp):
 
 
 def default_positions(batch: int, seq: int) -> jax.Array:
+    """Positions ``0 .. seq-1`` of every row: int32 ``[batch, seq]`` (one unpacked sequence)."""
     return jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
 
 

@@ -16,7 +16,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from lwm.attention._common import attention_mask, check_qkv
+from lwm.attention._common import attention_mask, check_qkv, default_positions
 from lwm.attention.ring import _axes_size, _present
 from lwm.base.mesh import BATCH_AXES, SEQUENCE_AXIS
 
@@ -104,7 +104,7 @@ def ring_decode_attention(
     if q_positions is None:
         q_positions = cache_len[:, None] - tq + jnp.arange(tq, dtype=jnp.int32)[None]
     if kv_positions is None:
-        kv_positions = jnp.broadcast_to(jnp.arange(max_len, dtype=jnp.int32), (b, max_len))
+        kv_positions = default_positions(b, max_len)
 
     x_rep = P(batch_axes, None, head_axis, None)
     x_seq = P(batch_axes, axis_name, head_axis, None)

@@ -13,12 +13,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from lwm.attention._common import check_qkv
+from lwm.attention._common import check_qkv, default_positions
 from lwm.attention.blockwise import attention_core, prepare_inputs
 from lwm.attention.layout import ring_block_size
 from lwm.base.mesh import BATCH_AXES, SEQUENCE_AXIS
@@ -51,7 +50,7 @@ def ring_attention_local(
     ring = axis_name is not None and lax.axis_size(axis_name) > 1
     if q_positions is None or kv_positions is None:
         offset = lax.axis_index(axis_name) * s_local if axis_name is not None else 0
-        default = offset + jnp.broadcast_to(jnp.arange(s_local, dtype=jnp.int32), (b, s_local))
+        default = offset + default_positions(b, s_local)
         q_positions = default if q_positions is None else q_positions
         kv_positions = default if kv_positions is None else kv_positions
     if ring:
@@ -137,9 +136,9 @@ def ring_attention(
                 f"mesh axes {axes}"
             )
     if q_positions is None:
-        q_positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+        q_positions = default_positions(b, s)
     if kv_positions is None:
-        kv_positions = jnp.broadcast_to(jnp.arange(k.shape[1], dtype=jnp.int32), (b, k.shape[1]))
+        kv_positions = default_positions(b, k.shape[1])
 
     x_spec = P(batch_axes, axis_name, head_axis, None)
     t_spec = P(batch_axes, axis_name)
