@@ -28,13 +28,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from data.batches import Loader, SyntheticTokenLoader
 from data.tokens import EOF_ID, EOV_ID
 from lwm.attention.layout import zigzag_permutation
-from lwm.base.mesh import MeshError, check_batch_fits, make_mesh
+from lwm.base.mesh import MeshError, check_batch_fits
 from lwm.base.metrics import MetricsWriter
 from lwm.config import Config, DistributedConfig, config_to_yaml
 from lwm.info import flops_per_token
@@ -206,13 +206,12 @@ class QAEvaluator:
 # the loop
 
 
-def train(cfg: Config, *, log=None) -> TrainResult:
-    """Run (or resume) the training described by ``cfg``."""
+def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
+    """Run (or resume) the training described by ``cfg`` on ``mesh``, which the caller builds
+    once from ``cfg.mesh`` (after `init_distributed` on a multi-host job, as `lwm train` does)."""
     log = log or (lambda msg: print(f"lwm train: {msg}", file=sys.stderr, flush=True))
     tc = cfg.train
-    init_distributed(cfg.distributed)
     primary = jax.process_index() == 0
-    mesh = make_mesh(cfg.mesh.shape)
     model_cfg = cfg.model
     seq_len = tc.seq_len or model_cfg.max_seq_len
     if seq_len > model_cfg.max_seq_len:

@@ -116,9 +116,8 @@ def test_a_tiny_model_learns_to_read_the_video(tmp_path: Path):
             "train.peak_flops=1e9",
         ],
     )
-    train(cfg, log=lambda _: None)
-
     mesh = make_mesh("1,2,4,1")
+    train(cfg, mesh=mesh, log=lambda _: None)
     _, model = load_run(tmp_path / "lm", mesh=mesh, log=lambda _: None)
     qa = VideoQA(model, TextCodec.load(), encoder, max_new_tokens=6, batch_size=24)
     report = evaluate(

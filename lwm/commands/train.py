@@ -26,12 +26,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from lwm.train import TrainingError, train
+    from lwm.base.mesh import make_mesh
+    from lwm.train import TrainingError, init_distributed, train
 
     cfg = load_config(args.config, args.overrides)
     out = cfg.train.output_dir
+    init_distributed(cfg.distributed)  # before anything asks JAX for its devices
+    mesh = make_mesh(cfg.mesh.shape)  # the one mesh of this process
     try:
-        result = train(cfg)
+        result = train(cfg, mesh=mesh)
     except TrainingError as e:
         print(f"lwm train: error: {e}", file=sys.stderr)
         return 1
