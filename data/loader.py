@@ -18,16 +18,22 @@ batch ``b`` is rows ``b*batch_size .. (b+1)*batch_size - 1``; host ``i`` of ``n`
 read disjoint shares that together cover the dataset. The last batch of an epoch is completed
 with padding rows, so every host has the same number of batches.
 
-The state is ``{epoch, batch}`` (plus what checks that it belongs to this dataset): identical on
-every host, JSON-serialisable, and a restored loader yields exactly the batches the original
-would have. Targets are made in document order (`data.batches.make_training_batch`), then the
-zigzag ``layout`` (if any) permutes each row.
+Reading runs on grain (`grain.MapDataset` -> `IterDataset`): global batch ``g`` (counted over
+all epochs) is one element, made by a pure function of ``g`` from the plan, and ``read_threads``
+background threads read and pack the next ``prefetch`` batches while the step runs
+(``read_threads=0``: each batch is read when asked for, in the caller's thread, without grain).
+
+The state is grain's iterator state (the next global batch) with ``{epoch, batch}`` and what
+checks that it belongs to this dataset: identical on every host, JSON-serialisable, and a
+restored loader yields exactly the batches the original would have (batches read ahead but not
+yet taken are not part of it). Targets are made in document order
+(`data.batches.make_training_batch`), then the zigzag ``layout`` (if any) permutes each row.
 """
 
 from __future__ import annotations
 
 import os
-from collections import OrderedDict
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -117,6 +123,8 @@ class TokenDatasetLoader:
         process_index: int = 0,
         process_count: int = 1,
         layout: np.ndarray | None = None,
+        read_threads: int = 2,
+        prefetch: int = 4,
     ):
         import tensorflow_datasets as tfds
 
@@ -148,24 +156,31 @@ class TokenDatasetLoader:
         self.local_rows = batch_size // process_count
         self.first_row = process_index * self.local_rows
         self.layout = layout
-        self.epoch = 0
-        self.batch = 0  # next batch of the epoch
-        self._plan: tuple[int, PackingPlan] | None = None
-        self._cache: OrderedDict[int, dict[str, np.ndarray]] = OrderedDict()
+        self.read_threads, self.prefetch = read_threads, prefetch
+        self._lock = threading.RLock()  # plans are made once, by whichever thread needs one
+        self._plans: dict[int, PackingPlan] = {}
+        self._epoch_starts = [0]  # global batch at which each epoch starts
+        self._next = 0  # the next global batch to hand out
+        self._iterator = None  # grain's, made on first use
+        self._resume: dict | None = None  # grain state to start it from
 
     # -- the loader protocol ----------------------------------------------------------------
 
     def state(self) -> dict[str, Any]:
-        return {
+        epoch, batch = self.locate(self._next)
+        state = {
             "kind": STATE_KIND,
-            "epoch": self.epoch,
-            "batch": self.batch,
+            "epoch": epoch,
+            "batch": batch,
             "seed": self.seed,
             "pack": self.pack,
             "seq_len": self.seq_len,
             "batch_size": self.batch_size,
             "num_examples": len(self.lengths),
         }
+        if self._iterator is not None:
+            state["grain"] = self._iterator.get_state()
+        return state
 
     def restore(self, state: dict[str, Any]) -> None:
         expected = self.state()
@@ -176,20 +191,40 @@ class TokenDatasetLoader:
                 f"loader state {state} does not belong to this loader of '{self.path}' "
                 f"({', '.join(differ)} differ)"
             )
-        self.epoch, self.batch = int(state["epoch"]), int(state["batch"])
+        self._next = self.global_batch(int(state["epoch"]), int(state["batch"]))
+        # grain's state of a dataset whose element i is global batch i (a state saved without
+        # grain, read_threads=0, is the same position in grain's form)
+        self._resume = state.get("grain") or {"next_index": self._next}
+        if int(self._resume.get("next_index", -1)) != self._next:
+            raise ValueError(f"loader state {state}: grain's position is not its epoch/batch")
+        self._iterator = None
 
     def __iter__(self) -> TokenDatasetLoader:
         return self
 
     def __next__(self) -> dict[str, np.ndarray]:
-        plan = self.plan(self.epoch)
-        if self.batch >= self.batches_in_epoch(self.epoch):
-            self.epoch, self.batch = self.epoch + 1, 0
-            plan = self.plan(self.epoch)
-        first = self.batch * self.batch_size + self.first_row
-        rows = [plan.row(first + r) for r in range(self.local_rows)]
-        self.batch += 1
-        return self._assemble(rows)
+        if not self.read_threads:
+            out = self.read(self._next)
+        else:
+            if self._iterator is None:
+                self._iterator = self._start()
+            out = next(self._iterator)
+        self._next += 1
+        return out
+
+    def _start(self):
+        import grain
+
+        dataset = grain.MapDataset.range(0, 2**62).map(self.read)  # element g: global batch g
+        options = grain.ReadOptions(
+            num_threads=self.read_threads, prefetch_buffer_size=self.prefetch
+        )
+        iterator = iter(dataset.to_iter_dataset(options))
+        if self._resume is not None:
+            iterator.set_state(self._resume)
+        elif self._next:
+            iterator.set_state({"next_index": self._next})
+        return iterator
 
     # -- planning ---------------------------------------------------------------------------
 
@@ -198,28 +233,41 @@ class TokenDatasetLoader:
         return np.random.default_rng([self.seed, epoch]).permutation(len(self.lengths))
 
     def plan(self, epoch: int) -> PackingPlan:
-        if self._plan is None or self._plan[0] != epoch:
-            self._plan = (
-                epoch,
-                plan_epoch(self.order(epoch), self.lengths, self.seq_len, self.pack),
-            )
-        return self._plan[1]
+        with self._lock:
+            if epoch not in self._plans:
+                if len(self._plans) >= 3:  # epochs are visited in order: keep the recent ones
+                    del self._plans[min(self._plans)]
+                self._plans[epoch] = plan_epoch(
+                    self.order(epoch), self.lengths, self.seq_len, self.pack
+                )
+            return self._plans[epoch]
 
     def batches_in_epoch(self, epoch: int) -> int:
         return -(-self.plan(epoch).num_rows // self.batch_size)
 
+    def global_batch(self, epoch: int, batch: int) -> int:
+        """The global batch index of batch ``batch`` of epoch ``epoch``."""
+        with self._lock:
+            while len(self._epoch_starts) <= epoch:
+                e = len(self._epoch_starts) - 1
+                self._epoch_starts.append(self._epoch_starts[-1] + self.batches_in_epoch(e))
+            return self._epoch_starts[epoch] + batch
+
+    def locate(self, g: int) -> tuple[int, int]:
+        """(epoch, batch within it) of global batch ``g``."""
+        epoch = 0
+        while self.global_batch(epoch + 1, 0) <= g:
+            epoch += 1
+        return epoch, g - self.global_batch(epoch, 0)
+
     # -- reading ----------------------------------------------------------------------------
 
-    def _example(self, index: int) -> dict[str, np.ndarray]:
-        if index in self._cache:
-            self._cache.move_to_end(index)
-            return self._cache[index]
-        record = self.source[index]
-        example = {k: np.asarray(record[k]) for k in ("tokens", "vision_mask", "loss_mask")}
-        self._cache[index] = example
-        if len(self._cache) > 16:  # a long document spans consecutive rows
-            self._cache.popitem(last=False)
-        return example
+    def read(self, g: int) -> dict[str, np.ndarray]:
+        """This host's rows of global batch ``g``: a pure function of ``g`` (thread-safe)."""
+        epoch, batch = self.locate(g)
+        plan = self.plan(epoch)
+        first = batch * self.batch_size + self.first_row
+        return self._assemble([plan.row(first + r) for r in range(self.local_rows)])
 
     def _assemble(self, rows: list[list[tuple[int, int, int]]]) -> dict[str, np.ndarray]:
         shape = (len(rows), self.seq_len)
@@ -228,10 +276,16 @@ class TokenDatasetLoader:
         loss = np.zeros(shape, np.float32)
         segments = np.zeros(shape, np.int32)
         positions = np.zeros(shape, np.int32)
+        examples: dict[int, dict[str, np.ndarray]] = {}  # a long document spans rows
         for r, pieces in enumerate(rows):
             at = 0
             for segment, (ex, start, n) in enumerate(pieces, 1):
-                example = self._example(ex)
+                if ex not in examples:
+                    record = self.source[ex]
+                    examples[ex] = {
+                        k: np.asarray(record[k]) for k in ("tokens", "vision_mask", "loss_mask")
+                    }
+                example = examples[ex]
                 piece = slice(start, start + n)
                 tokens[r, at : at + n] = example["tokens"][piece]
                 vision[r, at : at + n] = example["vision_mask"][piece]

@@ -14,6 +14,17 @@ chunks; encoder batches never span chunks, so every chunk's records are the same
 the run was interrupted. When all chunks are done the dataset is assembled in
 ``OUT.partial/dataset`` and renamed to ``OUT``: ``OUT`` appears only complete.
 
+Many hosts share the chunks (the work directory must be on a file system they all see):
+- the processes of a ``jax.distributed`` job (``distributed=True``): process 0 lists the chunks
+  still to do and sends the list to all (a rerun after a host died spreads the rest evenly); each
+  process takes every N-th of them and encodes on its own devices; after a barrier, process 0
+  publishes;
+- independent shards (``shard=(I, N)``, for schedulers without JAX's coordinator): shard I makes
+  the chunks ``c`` with ``c % N == I`` and publishes nothing; `merge_dataset` (``lwm tokenize
+  --merge OUT``) publishes once every chunk is done.
+Chunks do not depend on who made them, so any mix of these (and a one-process rerun) continues
+the same job and gives the same dataset.
+
 Failures (missing, empty, unreadable or truncated files, too few frames) are items without a
 record: one line each, ``PATH: problem``, in ``OUT.errors.txt`` (beside ``OUT``), and counted in
 the summary. With ``strict``, any failure leaves ``OUT`` unwritten and makes a non-zero exit; the
@@ -46,7 +57,14 @@ from lwm.base.files import write_text
 if TYPE_CHECKING:
     from jax.sharding import Mesh
 
-__all__ = ["Encoder", "TokenizeError", "TokenizeOptions", "TokenizeSummary", "tokenize_dataset"]
+__all__ = [
+    "Encoder",
+    "TokenizeError",
+    "TokenizeOptions",
+    "TokenizeSummary",
+    "merge_dataset",
+    "tokenize_dataset",
+]
 
 SPLIT = "train"
 # --video-loss: which records train on their video tokens (None: the default of
@@ -83,6 +101,7 @@ class TokenizeOptions:
     strict: bool = False
     progress: bool = True
     video_loss: str = "captioned"  # which records learn their video: captioned, all, none
+    shard: tuple[int, int] | None = None  # (I, N): make the chunks c % N == I, publish nothing
 
 
 @dataclass
@@ -98,38 +117,74 @@ class TokenizeSummary:
     resumed_chunks: int = 0
     published: bool = False
     output: str = ""
+    chunks: int = 0  # chunks of the job
+    chunks_here: int = 0  # chunks this process made (all of them unless shared)
+    chunks_left: int = 0  # chunks of the job not done when this process finished
+    role: str = ""  # "shard I/N" or "process I of N" when the job is shared
+    work: str = ""
     errors_path: str | None = None
     errors: list[str] = field(default_factory=list)
 
     def lines(self) -> list[str]:
+        if not self.seconds:  # `merge_dataset`: nothing encoded here
+            return [
+                f"{self.items} items: {self.ok} ok, {self.failed} failed"
+                + (f" (the errors: {self.errors_path})" if self.failed else ""),
+                *(
+                    [f"wrote {self.output} ({self.ok} records, {self.tokens} tokens)"]
+                    * self.published
+                ),
+            ]
         busy = 100 * self.encode_seconds / self.seconds if self.seconds else 0.0
         rate = self.frames / self.seconds if self.seconds else 0.0
         out = [
             f"{self.items} items: {self.ok} ok, {self.failed} failed"
-            + (f" (see {self.errors_path})" if self.failed else ""),
+            + (f" (the errors: {self.errors_path})" if self.failed else ""),
             f"{self.frames} frames encoded in {self.seconds:.1f} s ({rate:.1f} frames/s); "
             f"encoder busy {busy:.0f}% of the time"
             + (
                 f"; {self.resumed_chunks} chunks from an earlier run" if self.resumed_chunks else ""
             ),
         ]
+        if self.role and not self.published:  # the job's counts are process 0's to tell
+            out = out[1:]
+        if self.role:
+            out.insert(0, f"{self.role}: made {self.chunks_here} of the {self.chunks} chunks")
         if self.published:
             out.append(f"wrote {self.output} ({self.ok} records, {self.tokens} tokens)")
+        elif self.role.startswith("shard"):
+            out.append(
+                f"{self.chunks_left} of {self.chunks} chunks still to do in {self.work}"
+                if self.chunks_left
+                else f"every chunk is done: publish with `lwm tokenize --merge {self.output}`"
+            )
         return out
 
 
 def tokenize_dataset(
-    opts: TokenizeOptions, encoder: Encoder | None = None, log=None, *, mesh: Mesh | None = None
+    opts: TokenizeOptions,
+    encoder: Encoder | None = None,
+    log=None,
+    *,
+    mesh: Mesh | None = None,
+    distributed: bool = False,
 ) -> TokenizeSummary:
     """Run the job described by ``opts`` (see the module docstring); returns its summary.
     ``encoder``: the VQGAN (default: `vqgan.load_tokenizer` of ``opts.vqgan`` on ``mesh``, the
-    caller's, whose batch axes split each chunk of frames; without one, one device)."""
+    caller's, whose batch axes split each chunk of frames; without one, one device).
+    ``distributed``: this process is one of a `jax.distributed` job that shares the chunks."""
     log = log or (lambda msg: print(msg, file=sys.stderr))
     out = Path(opts.output)
-    work = out.with_name(out.name + ".partial")
+    work = _work_dir(out)
     if opts.video_loss not in LEARN_VIDEO:
         raise TokenizeError(
             f"unknown video loss '{opts.video_loss}'; choose one of {', '.join(LEARN_VIDEO)}"
+        )
+    if opts.shard is not None and distributed:
+        raise TokenizeError("--shard is for jobs without JAX's coordinator; use one or the other")
+    if opts.shard is not None and not 0 <= opts.shard[0] < opts.shard[1]:
+        raise TokenizeError(
+            f"--shard {opts.shard[0]}/{opts.shard[1]}: expected I/N with 0 <= I < N"
         )
     if out.exists():
         raise TokenizeError(f"output '{out}' already exists; remove it or choose another --output")
@@ -148,16 +203,40 @@ def tokenize_dataset(
     _open_work_dir(work, job)
 
     num_chunks = -(-len(items) // opts.chunk_size)
-    done = {c for c in range(num_chunks) if _chunk_json(work, c).is_file()}
-    todo = [c for c in range(num_chunks) if c not in done]
-    summary = TokenizeSummary(items=len(items), resumed_chunks=len(done), output=str(out))
-    if done:
-        log(f"resuming: {len(done)} of {num_chunks} chunks already done in {work}")
+    done = _done_chunks(work, num_chunks)
+    role = ""
+    if distributed:
+        import jax
+        from jax.experimental import multihost_utils
+
+        index, count = jax.process_index(), jax.process_count()
+        # Process 0's view of what is done, for all: everyone splits the same list.
+        done = np.asarray(multihost_utils.broadcast_one_to_all(done.astype(np.int32))) > 0
+        todo = [c for c in range(num_chunks) if not done[c]][index::count]
+        role = f"process {index} of {count}" if count > 1 else ""
+    elif opts.shard is not None:
+        index, count = opts.shard
+        done[np.arange(num_chunks) % count != index] = False  # other shards' are not resumed
+        todo = [c for c in range(num_chunks) if c % count == index and not done[c]]
+        role = f"shard {index}/{count}"
+    else:
+        todo = [c for c in range(num_chunks) if not done[c]]
+    summary = TokenizeSummary(
+        items=len(items),
+        resumed_chunks=int(done.sum()),
+        output=str(out),
+        chunks=num_chunks,
+        chunks_here=len(todo),
+        role=role,
+        work=str(work),
+    )
+    if done.any():
+        log(f"resuming: {int(done.sum())} of {num_chunks} chunks already done in {work}")
     decode_opts = DecodeOptions(encoder.resolution, opts.fps, opts.max_frames, opts.min_frames)
     plans = {c: _chunk_plan(items, _chunk_range(c, opts.chunk_size, len(items))) for c in todo}
     indices = [i for c in todo for i, first in plans[c] if first is None]
     start = summary.started = time.perf_counter()
-    bar = _progress(opts, len(items), len(items) - len(indices))
+    bar = _progress(opts, sum(len(plans[c]) for c in todo), role)
     stream = _decode_stream(items, indices, decode_opts, opts.workers)
     try:
         for c in todo:
@@ -185,7 +264,35 @@ def tokenize_dataset(
         if bar is not None:
             bar.close()
     summary.seconds = time.perf_counter() - start
-    return _finish(work, out, num_chunks, opts, job, summary, log)
+    if distributed:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("lwm tokenize: every chunk written")
+        if jax.process_index() != 0:
+            return summary  # process 0 publishes
+    if opts.shard is not None:
+        summary.chunks_left = int(num_chunks - _done_chunks(work, num_chunks).sum())
+        return summary
+    return _finish(work, out, num_chunks, opts.strict, job, summary, log)
+
+
+def merge_dataset(output: str, *, strict: bool = False, log=None) -> TokenizeSummary:
+    """Publish the dataset of a job whose chunks were made by independent shards (`--shard`):
+    ``output`` appears once every chunk is done; a chunk not done is an error naming it."""
+    log = log or (lambda msg: print(msg, file=sys.stderr))
+    out = Path(output)
+    work = _work_dir(out)
+    if out.exists():
+        raise TokenizeError(f"output '{out}' already exists; nothing to merge")
+    if not (work / "job.json").is_file():
+        raise TokenizeError(
+            f"no tokenize job to merge for '{out}': '{work}' does not exist (run the shards, "
+            "`lwm tokenize ... --shard I/N`, first)"
+        )
+    job = json.loads((work / "job.json").read_text())
+    num_chunks = -(-job["items"] // job["chunk_size"])
+    summary = TokenizeSummary(items=job["items"], output=str(out), chunks=num_chunks)
+    return _finish(work, out, num_chunks, strict, job, summary, log)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -380,6 +487,15 @@ def _chunk_plan(items: list[Item], indices: range) -> list[tuple[int, int | None
     return plan
 
 
+def _work_dir(out: Path) -> Path:
+    return out.with_name(out.name + ".partial")
+
+
+def _done_chunks(work: Path, num_chunks: int) -> np.ndarray:
+    """bool [num_chunks]: which chunks are done (their JSON, written last, exists)."""
+    return np.asarray([_chunk_json(work, c).is_file() for c in range(num_chunks)], bool)
+
+
 def _chunk_range(c: int, size: int, total: int) -> range:
     return range(c * size, min((c + 1) * size, total))
 
@@ -431,17 +547,27 @@ def _open_work_dir(work: Path, job: dict) -> None:
         return
     work.mkdir(parents=True, exist_ok=True)
     _write_json(path, job)
+    # Processes of one job start together and may each have written it: all the same job.
+    if json.loads(path.read_text()) != job:
+        _open_work_dir(work, job)  # another process's different job: the error above
 
 
 def _finish(
     work: Path,
     out: Path,
     num_chunks: int,
-    opts: TokenizeOptions,
+    strict: bool,
     job: dict,
     summary: TokenizeSummary,
     log,
 ) -> TokenizeSummary:
+    missing = np.flatnonzero(~_done_chunks(work, num_chunks))
+    if len(missing):
+        shown = ", ".join(str(c) for c in missing[:8]) + (", ..." if len(missing) > 8 else "")
+        raise TokenizeError(
+            f"{len(missing)} of {num_chunks} chunks are not done in '{work}' (chunk {shown}); "
+            "run the shards that make them (or the whole command) again, then merge"
+        )
     infos = [json.loads(_chunk_json(work, c).read_text()) for c in range(num_chunks)]
     summary.errors = [e for info in infos for e in info["errors"]]
     summary.failed = len(summary.errors)
@@ -453,7 +579,7 @@ def _finish(
         summary.errors_path = str(errors_path)
     else:
         errors_path.unlink(missing_ok=True)
-    if opts.strict and summary.errors:
+    if strict and summary.errors:
         log(
             f"--strict: {summary.failed} item(s) failed, so '{out}' is not written; the finished "
             f"work is kept in '{work}' (rerun without --strict to publish it, or remove it after "
@@ -516,9 +642,15 @@ def _finish(
     return summary
 
 
-def _progress(opts: TokenizeOptions, total: int, initial: int):
+def _progress(opts: TokenizeOptions, total: int, role: str):
+    """A bar over the items this process makes, with their number and an ETA."""
     if not opts.progress:
         return None
     from tqdm import tqdm
 
-    return tqdm(total=total, initial=initial, desc="tokenize", unit="item", dynamic_ncols=True)
+    return tqdm(
+        total=total,
+        desc=f"tokenize ({role})" if role else "tokenize",
+        unit="item",
+        dynamic_ncols=True,
+    )

@@ -7,7 +7,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from lwm.base.mesh import MeshError
+from lwm.base.lock import LockedError
+from lwm.base.mesh import MeshError, use_cpu_devices
 from lwm.config import ConfigError
 
 # verb -> (module with `add_arguments(parser)` and `run(args) -> int`, one-line help).
@@ -29,7 +30,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 # Errors caused by the user's input: reported as one line, exit status 2, no traceback.
-USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, MeshError, FileNotFoundError)
+USER_ERRORS: tuple[type[BaseException], ...] = (
+    ConfigError,
+    MeshError,
+    FileNotFoundError,
+    LockedError,  # the output is in use by another run
+)
 
 
 def _top_parser() -> argparse.ArgumentParser:
@@ -68,6 +74,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parse = getattr(module, "parse_args", None)
     args = parse(parser, top.args) if parse else parser.parse_intermixed_args(top.args)
     try:
+        if getattr(args, "cpu_devices", None):
+            use_cpu_devices(args.cpu_devices)
         return int(module.run(args))
     except USER_ERRORS as e:
         message = " ".join(str(e).split())

@@ -13,6 +13,7 @@ from data.tokens import EOV_ID, VISION_VOCAB_SIZE
 from lwm.base import config as base_config
 from lwm.base.config import (
     ConfigError,
+    DistributedConfig,
     MeshConfig,
     PositiveFloat,
     PositiveInt,
@@ -161,6 +162,10 @@ class DataConfig(BaseModel):
     split: str = "train"
     shuffle_seed: int = 0
     pack: bool = True  # pack documents into sequences (else pad each)
+    # batches read and packed ahead of the step by grain, in this many threads (0: no grain,
+    # each batch is read when the step asks for it)
+    read_threads: Annotated[int, Field(ge=0)] = 2
+    prefetch: PositiveInt = 4  # batches read ahead
 
 
 class EvalConfig(BaseModel):
@@ -176,18 +181,6 @@ class EvalConfig(BaseModel):
     swap: bool = True  # also ask every question about another video
     max_new_tokens: PositiveInt = 16
     batch_size: PositiveInt = 32
-
-
-class DistributedConfig(BaseModel):
-    """`jax.distributed` for many hosts; unset fields come from the environment (or TPU)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    enabled: Literal["auto", "on", "off"] = "auto"
-    coordinator_address: str | None = None
-    num_processes: PositiveInt | None = None
-    process_id: Annotated[int, Field(ge=0)] | None = None
-    cpu_collectives: Literal["gloo", "mpi", "none"] = "gloo"
 
 
 class Config(BaseModel):

@@ -16,13 +16,11 @@ tokens/s, step time and MFU.
 from __future__ import annotations
 
 import math
-import os
 import signal
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +34,7 @@ from data.tokens import EOF_ID, EOV_ID
 from lwm.attention.layout import zigzag_permutation
 from lwm.base.mesh import MeshError, check_batch_fits
 from lwm.base.metrics import MetricsWriter
-from lwm.config import Config, DistributedConfig, config_to_yaml
+from lwm.config import Config, config_to_yaml
 from lwm.info import flops_per_token
 from lwm.runs import (
     checkpoint_manager,
@@ -63,31 +61,6 @@ class TrainResult:
 
 # ----------------------------------------------------------------------------------------------
 # set-up
-
-
-def init_distributed(cfg: DistributedConfig) -> None:
-    """`jax.distributed.initialize` from the config or the environment (JAX_COORDINATOR_ADDRESS,
-    JAX_NUM_PROCESSES, JAX_PROCESS_ID); on a multi-host TPU slice it needs no arguments."""
-    address = cfg.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
-    multi_host_tpu = "," in os.environ.get("TPU_WORKER_HOSTNAMES", "")
-    if cfg.enabled == "off" or (cfg.enabled == "auto" and not address and not multi_host_tpu):
-        return
-    if cfg.cpu_collectives != "none":
-        jax.config.update("jax_cpu_collectives_implementation", cfg.cpu_collectives)
-    kwargs: dict[str, Any] = {}
-    if address:
-        kwargs["coordinator_address"] = address
-        num = cfg.num_processes or int(os.environ.get("JAX_NUM_PROCESSES", "0") or 0)
-        pid = cfg.process_id
-        if pid is None and os.environ.get("JAX_PROCESS_ID"):
-            pid = int(os.environ["JAX_PROCESS_ID"])
-        if not num or pid is None:
-            raise TrainingError(
-                "distributed training needs num_processes and process_id with the coordinator "
-                "address (distributed.* in the config, or JAX_NUM_PROCESSES / JAX_PROCESS_ID)"
-            )
-        kwargs.update(num_processes=num, process_id=pid)
-    jax.distributed.initialize(**kwargs)
 
 
 def measure_peak_flops(devices: list[jax.Device], size: int = 1024, repeats: int = 3) -> float:
@@ -122,7 +95,13 @@ def build_loader(cfg: Config, seq_len: int, layout: np.ndarray | None) -> Loader
     from data.loader import TokenDatasetLoader  # the `lwm tokenize` datasets
 
     loader = TokenDatasetLoader(
-        data.source, split=data.split, seed=data.shuffle_seed, pack=data.pack, **common
+        data.source,
+        split=data.split,
+        seed=data.shuffle_seed,
+        pack=data.pack,
+        read_threads=data.read_threads,
+        prefetch=data.prefetch,
+        **common,
     )
     codes = int((loader.metadata.get("vqgan") or {}).get("codebook_size", 0))
     if cfg.model.vision_codes and codes > cfg.model.vision_codes:
@@ -283,7 +262,7 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
     global_shape = (tc.batch_size, seq_len)
     pending: list[tuple[int, dict]] = []  # dispatched steps whose metrics are not yet checked
     last_good_save = resumed[0] if resumed is not None else None
-    window = {"t": time.perf_counter(), "steps": 0}
+    window = {"t": time.perf_counter(), "steps": 0, "wait": 0.0}
 
     def check(upto: int) -> None:
         """Fetch metrics of dispatched steps <= upto; stop on a non-finite loss; log."""
@@ -311,10 +290,14 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
             if step % tc.log_every == 0 or step == tc.steps:
                 now = time.perf_counter()
                 dt = (now - window["t"]) / max(window["steps"], 1)
-                window.update(t=now, steps=0)
+                wait = window["wait"] / max(window["steps"], 1)
+                window.update(t=now, steps=0, wait=0.0)
                 host.update(
                     learning_rate=float(schedule(step - 1)),
                     step_time_s=dt,
+                    # the host's time to read, pack and hand over a batch, per step
+                    data_wait_s=wait,
+                    data_wait_share=wait / dt,
                     tokens_per_s=tokens_per_step / dt,
                     mfu=model_flops / dt / peak_total,
                 )
@@ -324,11 +307,13 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
     step = start
     try:
         for step in range(start + 1, tc.steps + 1):
+            t_data = time.perf_counter()
             local = next(loader)
             batch = {
                 k: jax.make_array_from_process_local_data(bsharding, v, global_shape)
                 for k, v in local.items()
             }
+            window["wait"] += time.perf_counter() - t_data
             params, opt_state, metrics = step_fn(params, opt_state, batch)
             pending.append((step, metrics))
             window["steps"] += 1

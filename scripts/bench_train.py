@@ -4,6 +4,12 @@ side by side in one process on 8 simulated CPU devices.
 
     python scripts/bench_train.py                       # defaults below
     python scripts/bench_train.py --sizes tiny --seqs 2048 --repeats 5
+    python scripts/bench_train.py --sizes small --seqs 1024 --attention ring --batch 8 \
+        --dataset runs/demo/tokens --repeats 20     # batches read from a token dataset
+
+With ``--dataset`` (an `lwm tokenize` dataset) every timed step takes a new batch from the
+training loader (`data.loader.TokenDatasetLoader`, ``--read-threads`` grain threads; 0: no
+grain), as `lwm train` does, and the line adds the time each step waited for it.
 
 One JSON line per measurement on stdout, then one ratio line (ring over dense) per
 (size, seq). MFU = model FLOPs (lwm.info.flops_per_token: 6N + 12*L*H*S per token) x tokens/s
@@ -58,7 +64,17 @@ SIZES = {
 }
 
 
-def bench_one(size: str, seq: int, attention: str, mesh, batch: int, repeats: int, peak: float):
+def bench_one(
+    size: str,
+    seq: int,
+    attention: str,
+    mesh,
+    batch: int,
+    repeats: int,
+    peak: float,
+    dataset: str | None = None,
+    read_threads: int = 2,
+):
     path, overrides = SIZES[size]
     cfg = load_config(path).model.model_copy(
         update={
@@ -78,11 +94,26 @@ def bench_one(size: str, seq: int, attention: str, mesh, batch: int, repeats: in
     opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
     sp = mesh.shape["sp"]
     layout = zigzag_permutation(seq, sp) if attention == "ring" and sp > 1 else None
-    loader = SyntheticTokenLoader(
-        batch_size=batch, seq_len=seq, text_vocab_size=cfg.text_vocab_size, layout=layout
-    )
+    if dataset:
+        from data.loader import TokenDatasetLoader
+
+        loader = TokenDatasetLoader(
+            dataset, batch_size=batch, seq_len=seq, layout=layout, read_threads=read_threads
+        )
+    else:
+        loader = SyntheticTokenLoader(
+            batch_size=batch, seq_len=seq, text_vocab_size=cfg.text_vocab_size, layout=layout
+        )
     sharding = batch_sharding(mesh)
-    data = {k: jax.device_put(v, sharding) for k, v in next(loader).items()}
+
+    def next_batch():
+        local = next(loader)
+        return {
+            k: jax.make_array_from_process_local_data(sharding, v, (batch, seq))
+            for k, v in local.items()
+        }
+
+    data = next_batch()
     step = jit_train_step(graphdef, tx, mesh, abs_params, abs_opt)
     t0 = time.perf_counter()
     compiled = step.lower(params, opt_state, data).compile()
@@ -90,13 +121,34 @@ def bench_one(size: str, seq: int, attention: str, mesh, batch: int, repeats: in
     temp = compiled.memory_analysis().temp_size_in_bytes
     params, opt_state, m = compiled(params, opt_state, data)  # warm-up
     jax.block_until_ready(m)
-    times = []
-    for _ in range(repeats):
+    times, waits = [], []
+    if dataset:  # as lwm train: read the next batch while the previous step runs
         t0 = time.perf_counter()
-        params, opt_state, m = compiled(params, opt_state, data)
+        for _ in range(repeats):
+            t = time.perf_counter()
+            data = next_batch()
+            waits.append(time.perf_counter() - t)
+            params, opt_state, m_next = compiled(params, opt_state, data)
+            jax.block_until_ready(m)  # the previous step
+            m = m_next
         jax.block_until_ready(m)
-        times.append(time.perf_counter() - t0)
+        times = [(time.perf_counter() - t0) / repeats]
+    else:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            params, opt_state, m = compiled(params, opt_state, data)
+            jax.block_until_ready(m)
+            times.append(time.perf_counter() - t0)
     dt = statistics.median(times)
+    extra = {}
+    if dataset:
+        wait = statistics.mean(waits)
+        extra = {
+            "dataset": dataset,
+            "read_threads": read_threads,
+            "data_wait_s": round(wait, 5),
+            "data_wait_share": round(wait / dt, 4),
+        }
     tokens = batch * seq
     flops = flops_per_token(cfg, seq).train * tokens
     return {
@@ -113,6 +165,7 @@ def bench_one(size: str, seq: int, attention: str, mesh, batch: int, repeats: in
         "mfu": round(flops / dt / peak, 4),
         "temp_bytes_per_device": temp,
         "loss": float(m["loss"]),
+        **extra,
     }
 
 
@@ -124,6 +177,8 @@ def main() -> int:
     p.add_argument("--mesh", default="1,1,8,1")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dataset", help="read every step's batch from this token dataset")
+    p.add_argument("--read-threads", type=int, default=2, help="grain threads (0: no grain)")
     args = p.parse_args()
     mesh = make_mesh(args.mesh)
     peak = measure_peak_flops(jax.devices()) * jax.device_count()
@@ -133,7 +188,17 @@ def main() -> int:
             row = {}
             for attention in args.attention.split(","):
                 try:
-                    rec = bench_one(size, seq, attention, mesh, args.batch, args.repeats, peak)
+                    rec = bench_one(
+                        size,
+                        seq,
+                        attention,
+                        mesh,
+                        args.batch,
+                        args.repeats,
+                        peak,
+                        args.dataset,
+                        args.read_threads,
+                    )
                 except Exception as e:  # e.g. out of memory for dense at long sequences
                     rec = {
                         "bench": "train_step",

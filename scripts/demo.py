@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shlex
 import subprocess
@@ -69,10 +70,8 @@ def main() -> int:
     py = sys.executable
     lwm = [py, "-m", "lwm"]
     env = dict(os.environ)
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
-    env.setdefault("JAX_PLATFORMS", "cpu")
+    # Every JAX verb runs on as many simulated CPU devices as the world model's mesh has.
+    cpu = ["--cpu-devices", str(math.prod(int(n) for n in args.mesh.split(",")))]
     start = time.perf_counter()
     train_videos = out / "videos" / "train" / "manifest.jsonl"
     held_out = out / "videos" / "held_out" / "manifest.jsonl"
@@ -89,7 +88,7 @@ def main() -> int:
     # 2. the VQGAN (resumes from its checkpoints when rerun)
     vqgan = out / "vqgan"
     run(
-        [*lwm, "vqgan", "train", "--config", "configs/vqgan/demo.yaml"]
+        [*lwm, "vqgan", "train", *cpu, "--config", "configs/vqgan/demo.yaml"]
         + [f"train.output_dir={vqgan}", f"train.steps={args.vqgan_steps}"]
         + [f"data.manifest={train_videos}"],
         env=env,
@@ -100,14 +99,14 @@ def main() -> int:
     if not tokens.is_dir():
         run(
             [*lwm, "tokenize", "--input", str(train_videos), "--output", str(tokens)]
-            + ["--vqgan", str(vqgan), "--video-loss", "all"],
+            + ["--vqgan", str(vqgan), "--video-loss", "all", *cpu],
             env=env,
         )
 
     # 4. the world model (resumes from its checkpoints when rerun)
     lm = out / "lm"
     run(
-        [*lwm, "train", "--config", "configs/demo.yaml"]
+        [*lwm, "train", *cpu, "--config", "configs/demo.yaml"]
         + [f"data.source={tokens}", f"train.output_dir={lm}", f"train.steps={args.lm_steps}"]
         + [f"mesh.shape={args.mesh}", f"eval.manifest={held_out}", f"eval.every={args.eval_every}"],
         env=env,
@@ -121,7 +120,7 @@ def main() -> int:
     report = QAReport.read_jsonl(results)
     rerun = [*lwm[1:], "eval", "qa", "--model", f"run:{lm}", "--manifest", str(held_out)]
     print(f"\nheld-out questions after step {args.lm_steps} ({results}; the same as")
-    print(f"  {shlex.join(['python', *rerun, '--mesh', args.mesh])}):")
+    print(f"  {shlex.join(['python', *rerun, '--mesh', args.mesh, *cpu])}):")
     print(report.table())
     run([py, "scripts/plot_run.py", str(lm)], env=env, capture=True)
     summary = report.summary()

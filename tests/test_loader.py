@@ -91,7 +91,7 @@ def test_packing_emits_every_token_once_with_segments_and_positions(dataset):
     expected = [i * 1000 + j for i, n in enumerate(LENGTHS) for j in range(n)]
     assert sorted(seen) == expected  # every token exactly once
     # the next batch is from epoch 1, in another order
-    assert ld.state()["epoch"] == 0
+    assert ld.state()["epoch"] == 1 and ld.state()["batch"] == 0
     nxt = next(ld)
     assert ld.state()["epoch"] == 1 and ld.state()["batch"] == 1
     assert not np.array_equal(nxt["tokens"], batches[0]["tokens"])
@@ -213,3 +213,26 @@ def test_training_refuses_a_dataset_with_other_markers_or_vocabularies(tmp_path)
     codes = dataset("codes", vqgan={"codebook_size": 1024})
     with pytest.raises(TrainingError, match="VQGAN of 1024 codes, but model.vision_codes is 512"):
         loader_for(codes, "train.batch_size=4", "model.vision_codes=512")
+
+
+def test_grain_read_ahead_gives_the_plain_readers_batches_and_states(dataset):
+    """grain with 3 threads reading 5 batches ahead vs. reading each batch when asked (no
+    grain): the same batches over three epochs, and each one's state resumes the other."""
+    plain, ahead = loader(dataset, read_threads=0), loader(dataset, read_threads=3, prefetch=5)
+    n = plain.batches_in_epoch(0) + plain.batches_in_epoch(1) + 2
+    for _ in range(n):
+        want, got = next(plain), next(ahead)
+        for key in want:
+            np.testing.assert_array_equal(got[key], want[key])
+    state = json.loads(json.dumps(ahead.state()))
+    assert state["grain"] == {"next_index": n}  # grain's own iterator state, checkpointed
+    assert {k: v for k, v in state.items() if k != "grain"} == plain.state()
+    for source, target in (
+        (state, loader(dataset, read_threads=0)),
+        (plain.state(), loader(dataset)),
+    ):
+        target.restore(source)
+        want = next(plain) if target.read_threads == 0 else next(ahead)
+        got = next(target)
+        for key in want:
+            np.testing.assert_array_equal(got[key], want[key])

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -324,3 +325,169 @@ def test_train_refuses_a_dataset_with_a_larger_text_vocabulary(
     assert lwm(["train", "--config", str(ROOT / "configs/tiny.yaml"), *overrides]) == 1
     err = capsys.readouterr().err
     assert "text vocabulary of 4096 tokens, but model.text_vocab_size is 256" in err
+
+
+# ----------------------------------------------------------------------------------------------
+# many hosts (issue 14): shards + merge, a jax.distributed job, and outputs in use
+
+SHARED = ["--chunk-size", "1", "--batch-frames", "16", "--no-progress", "--workers", "0"]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, synthetic, vqgan_dir):
+    """The dataset of one process, which every way of sharing the job must reproduce."""
+    out = tmp_path_factory.mktemp("one_process") / "tokens"
+    args = ["--input", str(synthetic), "--vqgan", str(vqgan_dir), *SHARED]
+    assert lwm(["tokenize", *args, "--output", str(out)]) == 0
+    return out
+
+
+def assert_same_dataset(got: Path, want: Path) -> None:
+    a, b = read_records(got), read_records(want)
+    assert len(a) == len(b) == 12
+    for x, y in zip(a, b, strict=True):
+        assert x.keys() == y.keys()
+        for key in x:
+            np.testing.assert_array_equal(x[key], y[key])
+    for name in ("num_tokens-train.npy", "metadata.json", "features.json"):
+        assert (got / name).read_bytes() == (want / name).read_bytes()
+
+
+def _env_without_xla_flags() -> dict[str, str]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("XLA_FLAGS", None)
+    return env
+
+
+def test_shards_killed_rerun_and_merged_equal_one_process(
+    tmp_path, synthetic, vqgan_dir, one_process, capsys
+):
+    args = ["--input", str(synthetic), "--vqgan", str(vqgan_dir), *SHARED]
+    out = tmp_path / "tokens"
+    work = tmp_path / "tokens.partial"
+    # Shard 1 of 2 (chunks 1, 3, .., 11) is killed after its first chunk.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lwm", "tokenize", *args, "--output", str(out), "--shard", "1/2"],
+        cwd=ROOT,
+        env=_env_without_xla_flags(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    deadline = time.time() + 120
+    while not (work / "chunk-00001.json").exists():
+        assert proc.poll() is None, proc.stderr.read().decode()
+        assert time.time() < deadline
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    proc.stderr.close()
+    assert (tmp_path / "tokens.lock.1").is_file()  # the dead shard's lock
+
+    assert lwm(["tokenize", *args, "--output", str(out), "--shard", "0/2"]) == 0
+    err = capsys.readouterr().err
+    assert "shard 0/2: made 6 of the 12 chunks" in err and "still to do" in err
+    assert not out.exists()
+    # Merging before every chunk is done names the missing ones and writes nothing.
+    assert lwm(["tokenize", "--merge", str(out)]) == 1
+    assert "are not done in" in capsys.readouterr().err and not out.exists()
+
+    assert lwm(["tokenize", *args, "--output", str(out), "--shard", "1/2"]) == 0
+    err = capsys.readouterr().err
+    assert f"taking over the lock of '{out}' left by pid {proc.pid}" in err
+    assert f"publish with `lwm tokenize --merge {out}`" in err
+    assert lwm(["tokenize", "--merge", str(out)]) == 0
+    assert f"wrote {out} (12 records" in capsys.readouterr().err
+    assert_same_dataset(out, one_process)
+    assert not work.exists() and not list(tmp_path.glob("tokens.lock*"))
+
+
+def test_a_jax_distributed_job_equals_one_process(tmp_path, synthetic, vqgan_dir, one_process):
+    """Two processes on localhost (gloo), 2 CPU devices each by --cpu-devices, no XLA_FLAGS."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "tokens"
+    args = ["--input", str(synthetic), "--vqgan", str(vqgan_dir), *SHARED, "--output", str(out)]
+    args += ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--cpu-devices", "2"]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "lwm", "tokenize", *args, "--process-id", str(i)],
+            cwd=ROOT,
+            env=_env_without_xla_flags(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    errs = []
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+        errs.append(err)
+    assert "process 0 of 2: made 6 of the 12 chunks" in errs[0] and f"wrote {out}" in errs[0]
+    assert "process 1 of 2: made 6 of the 12 chunks" in errs[1] and "wrote" not in errs[1]
+    assert_same_dataset(out, one_process)
+
+
+HOLD = """
+import sys, time
+from contextlib import ExitStack
+from lwm.base.lock import output_lock
+with ExitStack() as stack:
+    for path in sys.argv[1:]:
+        stack.enter_context(output_lock(path, what=path))
+    print("held", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_second_run_on_an_output_in_use_is_refused(tmp_path, synthetic, vqgan_dir, capsys):
+    from lwm.base.lock import output_lock
+
+    tokens, run, vq = tmp_path / "tokens", tmp_path / "run", tmp_path / "vq"
+    locks = [tmp_path / "tokens.lock", run / ".lock", vq / ".lock"]
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, *map(str, locks)],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline() == "held\n"
+        args = ["--input", str(synthetic), "--vqgan", str(vqgan_dir), *SHARED]
+        assert lwm(["tokenize", *args, "--output", str(tokens)]) == 2
+        err = capsys.readouterr().err
+        assert f"lwm tokenize: error: '{tokens}' is in use by another run: pid {holder.pid}" in err
+        assert not tokens.exists() and not (tmp_path / "tokens.partial").exists()
+        assert (
+            lwm(["train", "--config", str(ROOT / "configs/tiny.yaml"), f"train.output_dir={run}"])
+            == 2
+        )
+        err = capsys.readouterr().err
+        assert f"error: train.output_dir '{run}' is in use by another run: pid {holder.pid}" in err
+        assert sorted(p.name for p in run.iterdir()) == [".lock"]  # nothing written
+        vqgan_cfg = ["--config", str(ROOT / "configs/vqgan/tiny.yaml"), f"train.output_dir={vq}"]
+        assert lwm(["vqgan", "train", *vqgan_cfg]) == 2
+        assert f"pid {holder.pid}" in capsys.readouterr().err
+    finally:
+        holder.kill()
+        holder.wait()
+    # The holder died without removing its locks: the next run takes one over, with a warning.
+    warnings = []
+    with output_lock(locks[1], what="the run", warn=warnings.append):
+        assert (run / ".lock").is_file()
+    assert len(warnings) == 1 and f"left by pid {holder.pid} on host" in warnings[0]
+    assert not (run / ".lock").exists()
+
+
+def test_cpu_devices_too_few_and_too_late_are_one_line(capsys):
+    assert lwm(["train", "--config", str(ROOT / "configs/tiny.yaml"), "mesh.shape=1,2,8,1"]) == 2
+    err = capsys.readouterr().err
+    assert "needs 16 devices but 8 are available; on a CPU, run the lwm command with" in err
+    assert "--cpu-devices 16" in err and len(err.strip().splitlines()) == 1
+    # This process has started JAX already (8 devices): the flag cannot change that.
+    assert lwm(["train", "--cpu-devices", "4", "--config", str(ROOT / "configs/tiny.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "--cpu-devices 4: JAX has already started with 8 device(s)" in err

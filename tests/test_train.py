@@ -32,12 +32,13 @@ BASE = [
 
 def lwm_train(out: Path, *overrides: str, devices: int = 8, env=None, wait=True):
     env = dict(os.environ if env is None else env)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env.pop("XLA_FLAGS", None)  # the devices come from --cpu-devices (issue 14)
     cmd = [
         sys.executable,
         "-m",
         "lwm",
         "train",
+        f"--cpu-devices={devices}",
         "--config",
         "configs/debug.yaml",
         *BASE,
@@ -93,9 +94,12 @@ def test_loss_falls_with_ring_attention_on_two_meshes(reference, tmp_path):
         "learning_rate",
         "tokens_per_s",
         "step_time_s",
+        "data_wait_s",
         "mfu",
     ):
         assert np.isfinite(record[key]), key
+    assert 0 < record["data_wait_s"] < record["step_time_s"]
+    assert record["data_wait_share"] == pytest.approx(record["data_wait_s"] / record["step_time_s"])
     assert (tmp_path / "tensorboard").is_dir() and (tmp_path / "config.yaml").is_file()
 
 
@@ -126,9 +130,14 @@ def test_kill_9_then_rerun_matches_uninterrupted(reference, tmp_path, kill_after
         time.sleep(0.02)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+    assert (tmp_path / ".lock").is_file()  # the killed run's, left behind
     r = lwm_train(tmp_path, *args)
     assert r.returncode == 0, r.stderr
     assert "resumed from checkpoint" in r.stderr
+    assert (
+        f"taking over the lock of train.output_dir '{tmp_path}' left by pid {proc.pid}" in r.stderr
+    )
+    assert not (tmp_path / ".lock").exists()  # removed at the end of the run
     got = losses(tmp_path)
     assert sorted(got) == list(range(1, 13))
     for step in range(1, 13):

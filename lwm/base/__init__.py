@@ -5,7 +5,9 @@
 - `lwm.base.mesh`: the `(dp, fsdp, sp, tp)` device mesh and the logical axis rules;
 - `lwm.base.media`: reading videos and images (decord, PyAV) and writing MP4/PNG atomically;
 - `lwm.base.files`: atomic writes (a temporary name, renamed when complete);
-- `lwm.base.metrics`: ``metrics.jsonl`` and TensorBoard scalars of a training run.
+- `lwm.base.metrics`: ``metrics.jsonl`` and TensorBoard scalars of a training run;
+- `lwm.base.distributed`: joining a multi-process JAX job (`init_distributed`);
+- `lwm.base.lock`: one run per output (`output_lock`).
 
 Layers, bottom to top (a test walks every import): base -> `vqgan` -> `data` -> the model
 (`lwm.model`, `lwm.attention`, `lwm.loss`, `lwm.weights`) -> training, inference and

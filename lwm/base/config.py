@@ -21,6 +21,7 @@ from pydantic.fields import FieldInfo
 
 __all__ = [
     "ConfigError",
+    "DistributedConfig",
     "MeshConfig",
     "PositiveFloat",
     "PositiveInt",
@@ -51,6 +52,18 @@ class MeshConfig(BaseModel):
         if isinstance(value, list | tuple):
             return ",".join(str(v) for v in value)
         return value
+
+
+class DistributedConfig(BaseModel):
+    """`jax.distributed` for many hosts; unset fields come from the environment (or TPU)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: Literal["auto", "on", "off"] = "auto"
+    coordinator_address: str | None = None
+    num_processes: PositiveInt | None = None
+    process_id: Annotated[int, Field(ge=0)] | None = None
+    cpu_collectives: Literal["gloo", "mpi", "none"] = "gloo"
 
 
 # ---------------------------------------------------------------------------------------------

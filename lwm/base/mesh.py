@@ -20,6 +20,7 @@ __all__ = [
     "parse_mesh_shape",
     "shard_bytes",
     "shard_shape",
+    "use_cpu_devices",
 ]
 
 MESH_AXES: tuple[str, str, str, str] = ("dp", "fsdp", "sp", "tp")
@@ -55,6 +56,30 @@ LOGICAL_AXIS_RULES: dict[str, MeshAxes] = {
 
 class MeshError(ValueError):
     """A mesh shape or a sharding rule is invalid; the message names the spec and the problem."""
+
+
+class _DeviceCountError(MeshError):
+    """A mesh needs more (or fewer) devices than there are; ``needed`` says how many."""
+
+    def __init__(self, message: str, needed: int):
+        super().__init__(message)
+        self.needed = needed
+
+
+def use_cpu_devices(count: int) -> None:
+    """Run JAX on ``count`` devices of the host CPU (the `--cpu-devices N` of the commands):
+    what ``XLA_FLAGS=--xla_force_host_platform_device_count=N JAX_PLATFORMS=cpu`` does, as a
+    call. It must come before anything asks JAX for its devices."""
+    if count < 1:
+        raise MeshError(f"--cpu-devices {count}: expected a positive number of devices")
+    try:
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", count)
+    except RuntimeError:
+        raise MeshError(
+            f"--cpu-devices {count}: JAX has already started with "
+            f"{len(jax.devices())} device(s); the CPU devices must be set before it starts"
+        ) from None
 
 
 def parse_mesh_shape(spec: str | Sequence[int], num_devices: int) -> tuple[int, int, int, int]:
@@ -94,9 +119,10 @@ def parse_mesh_shape(spec: str | Sequence[int], num_devices: int) -> tuple[int, 
             )
         sizes[sizes.index(-1)] = num_devices // fixed
     elif fixed != num_devices:
-        raise MeshError(
+        raise _DeviceCountError(
             f"mesh shape '{text}' needs {fixed} devices but {num_devices} "
-            f"{'is' if num_devices == 1 else 'are'} available"
+            f"{'is' if num_devices == 1 else 'are'} available",
+            fixed,
         )
     dp, fsdp, sp, tp = sizes
     return dp, fsdp, sp, tp
@@ -118,7 +144,16 @@ def _as_int(item: object) -> int | None:
 def make_mesh(spec: str | Sequence[int], devices: Sequence[jax.Device] | None = None) -> Mesh:
     """Build the (dp, fsdp, sp, tp) mesh with automatic sharding on every axis."""
     devices = list(jax.devices() if devices is None else devices)
-    shape = parse_mesh_shape(spec, len(devices))
+    try:
+        shape = parse_mesh_shape(spec, len(devices))
+    except _DeviceCountError as e:
+        if not devices or any(d.platform != "cpu" for d in devices):
+            raise
+        raise MeshError(
+            f"{e}; on a CPU, run the lwm command with --cpu-devices {e.needed} to simulate "
+            f"{e.needed} devices (or set XLA_FLAGS=--xla_force_host_platform_device_count="
+            f"{e.needed})"
+        ) from None
     axis_types = (AxisType.Auto,) * len(MESH_AXES)
     try:
         return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)

@@ -24,5 +24,17 @@ def non_negative_int(text: str) -> int:
     return _number(int, text, lambda v: v >= 0, "an integer >= 0")
 
 
+def add_cpu_devices(parser: argparse.ArgumentParser) -> None:
+    """`--cpu-devices N`: the verb runs on N simulated devices of the host CPU (`lwm.cli` sets
+    them up before JAX starts)."""
+    parser.add_argument(
+        "--cpu-devices",
+        type=positive_int,
+        metavar="N",
+        help="run on N devices of the host CPU (simulated; no XLA_FLAGS needed), e.g. 8 for "
+        "mesh.shape=1,2,4,1 on a laptop",
+    )
+
+
 def positive_float(text: str) -> float:
     return _number(float, text, lambda v: v > 0, "a positive number")

@@ -23,7 +23,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from lwm.commands import positive_int
+from lwm.commands import add_cpu_devices, positive_int
 
 _SUBPARSERS: dict[str, argparse.ArgumentParser] = {}
 
@@ -45,6 +45,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--batch-size", type=positive_int, default=32, help="prompts per generate call")
     p.add_argument("--mesh", help="dp,fsdp,sp,tp to shard the model over (default: 1 device)")
+    add_cpu_devices(p)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
+from lwm.commands import add_cpu_devices
 from lwm.config import load_config
 
 
@@ -23,18 +25,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="config overrides, e.g. train.steps=100 mesh.shape=1,-1,4,1",
     )
+    add_cpu_devices(parser)
 
 
 def run(args: argparse.Namespace) -> int:
+    import jax
+
+    from lwm.base.distributed import init_distributed
+    from lwm.base.lock import output_lock
     from lwm.base.mesh import make_mesh
-    from lwm.train import TrainingError, init_distributed, train
+    from lwm.train import TrainingError, train
 
     cfg = load_config(args.config, args.overrides)
     out = cfg.train.output_dir
     init_distributed(cfg.distributed)  # before anything asks JAX for its devices
     mesh = make_mesh(cfg.mesh.shape)  # the one mesh of this process
     try:
-        result = train(cfg, mesh=mesh)
+        # One run per output folder (the processes of one job share it, one lock each).
+        with output_lock(
+            Path(out) / ".lock",
+            what=f"train.output_dir '{out}'",
+            member=jax.process_index(),
+            warn=lambda msg: print(f"lwm train: warning: {msg}", file=sys.stderr),
+        ):
+            result = train(cfg, mesh=mesh)
     except TrainingError as e:
         print(f"lwm train: error: {e}", file=sys.stderr)
         return 1

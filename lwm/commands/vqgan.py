@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from lwm.commands import add_cpu_devices
+
 _SUBPARSERS: dict[str, argparse.ArgumentParser] = {}
 
 
@@ -27,6 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p = sub.add_parser("train", help="train a VQGAN (resumes from the output folder's checkpoint)")
     p.add_argument("--config", required=True, help="YAML config, e.g. configs/vqgan/small.yaml")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. train.steps=100")
+    add_cpu_devices(p)
     _SUBPARSERS["train"] = p
 
     p = sub.add_parser("encode", help="tokenize a video (or image) into codes")
@@ -34,6 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True, help="VQGAN folder")
     p.add_argument("--out", help="write the codes [1, T, h, w] as .npy")
     p.add_argument("--max-frames", type=int, help="sample at most N frames, evenly spaced")
+    add_cpu_devices(p)
     _SUBPARSERS["encode"] = p
 
     p = sub.add_parser("decode", help="turn codes back into frames (MP4 or PNG)")
@@ -41,6 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True, help="VQGAN folder")
     p.add_argument("--out", required=True, help="x.mp4 (the first video) or x.png (all frames)")
     p.add_argument("--fps", type=int, default=8)
+    add_cpu_devices(p)
     _SUBPARSERS["decode"] = p
 
     p = sub.add_parser("import", help="import LWM's pickled VQGAN parameters as safetensors")
@@ -84,14 +89,24 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    import jax
+
     from data.vqgan_frames import load_frames
+    from lwm.base.lock import output_lock
     from lwm.base.mesh import make_mesh
     from vqgan.config import load_vqgan_config
     from vqgan.train import train
 
     cfg = load_vqgan_config(args.config, args.overrides)
     mesh = make_mesh(cfg.mesh.shape)
-    metrics = train(cfg, mesh=mesh, source=load_frames(cfg))
+    out = cfg.train.output_dir
+    with output_lock(
+        Path(out) / ".lock",
+        what=f"train.output_dir '{out}'",
+        member=jax.process_index(),
+        warn=lambda msg: print(f"lwm vqgan: warning: {msg}", file=sys.stderr),
+    ):
+        metrics = train(cfg, mesh=mesh, source=load_frames(cfg))
     print(
         f"{cfg.train.output_dir}: held-out PSNR {metrics['psnr']:.2f} dB, codebook used "
         f"{metrics['codebook_used']:.1%}, perplexity {metrics['perplexity']:.1f}"

@@ -1,0 +1,140 @@
+"""The training loader alone: batches/s and tokens/s of `data.loader.TokenDatasetLoader` reading
+each batch when asked (``read_threads=0``, the loader before grain) and reading ahead with grain
+(``--threads`` threads, ``--prefetch`` batches), side by side in one process; and the time a
+step waits for its batch when a step takes ``--step-ms`` (simulated by sleeping, which releases
+the GIL as an XLA step does).
+
+    python scripts/bench_loader.py                       # seq_len 1024 and 32768, batch 8
+    python scripts/bench_loader.py --seq-lens 1024 --batches 200 --step-ms 50
+
+The dataset is made once, untimed, in ``--work`` (default: a temporary folder): records of
+token streams with lengths drawn from ``--min-len``..``--max-len`` (the demo's records are
+~400 tokens, real videos thousands), enough for every measured batch. One JSON line per
+measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def make_dataset(directory: Path, tokens: int, min_len: int, max_len: int, seed: int = 0) -> Path:
+    """Records of random lengths holding at least ``tokens`` tokens, in 8 shards."""
+    from data import dataset_io
+
+    rng = np.random.default_rng(seed)
+    lengths = []
+    while sum(lengths) < tokens:
+        lengths.append(int(rng.integers(min_len, max_len + 1)))
+    directory.mkdir(parents=True)
+    shards, per = 8, -(-len(lengths) // 8)
+    counts, total_bytes = [], 0
+    for s in range(shards):
+        writer = dataset_io.ShardWriter(directory / dataset_io.shard_name("train", s, shards))
+        for n in lengths[s * per : (s + 1) * per]:
+            writer.write(
+                {
+                    "tokens": rng.integers(0, 4096, n, dtype=np.int32),
+                    "vision_mask": rng.random(n) < 0.8,
+                    "loss_mask": np.ones(n, np.uint8),
+                    "source": "",
+                    "kind": "video",
+                    "num_frames": 1,
+                }
+            )
+        writer.close()
+        counts.append(writer.count)
+        total_bytes += writer.num_bytes
+    np.save(dataset_io.lengths_path(directory, "train"), np.asarray(lengths, np.int32))
+    dataset_io.write_metadata(directory, "train", counts, total_bytes, {}, "bench_loader")
+    return directory
+
+
+def measure(
+    path: Path,
+    *,
+    seq_len: int,
+    batch: int,
+    batches: int,
+    threads: int,
+    prefetch: int,
+    step_s: float,
+) -> dict:
+    from data.loader import TokenDatasetLoader
+
+    loader = TokenDatasetLoader(
+        path, batch_size=batch, seq_len=seq_len, read_threads=threads, prefetch=prefetch
+    )
+    next(loader)  # plans the epoch and starts grain's threads: not timed
+    t0 = time.perf_counter()
+    for _ in range(batches):
+        next(loader)
+    alone = time.perf_counter() - t0
+    waits = []
+    for _ in range(batches):
+        t = time.perf_counter()
+        next(loader)
+        waits.append(time.perf_counter() - t)
+        time.sleep(step_s)  # the step
+    wait = float(np.mean(waits))
+    return {
+        "bench": "loader",
+        "reader": f"grain, {threads} threads, {prefetch} ahead" if threads else "plain (no grain)",
+        "seq_len": seq_len,
+        "batch_size": batch,
+        "batches_per_s": batches / alone,
+        "tokens_per_s": batches * batch * seq_len / alone,
+        "step_ms": 1e3 * step_s,
+        "data_wait_ms": 1e3 * wait,
+        "data_wait_share": wait / (wait + step_s),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seq-lens", default="1024,32768")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--batches", type=int, default=40, help="batches per measurement")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--prefetch", type=int, default=4)
+    p.add_argument("--step-ms", type=float, default=100.0, help="simulated step time")
+    p.add_argument("--min-len", type=int, default=256)
+    p.add_argument("--max-len", type=int, default=4096)
+    p.add_argument("--work", help="folder for the dataset (default: temporary)")
+    args = p.parse_args(argv)
+
+    seq_lens = [int(s) for s in args.seq_lens.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(args.work or tmp)
+        for seq_len in seq_lens:
+            # every measured batch (2 x batches, + 1 untimed, per reader) from one epoch
+            tokens = 2 * (2 * args.batches + 1) * args.batch * seq_len
+            path = work / f"tokens-{seq_len}"
+            if not path.exists():
+                make_dataset(path, tokens, args.min_len, args.max_len)
+            for threads in (0, args.threads):
+                row = measure(
+                    path,
+                    seq_len=seq_len,
+                    batch=args.batch,
+                    batches=args.batches,
+                    threads=threads,
+                    prefetch=args.prefetch,
+                    step_s=args.step_ms / 1e3,
+                )
+                print(json.dumps(row), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
