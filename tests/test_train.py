@@ -3,6 +3,8 @@ non-finite loss, gradient accumulation, context stages, and two processes == one
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -12,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -50,6 +53,26 @@ def lwm_train(out: Path, *overrides: str, devices: int = 8, env=None, wait=True)
             cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def lwm_train_here(out: Path, *overrides: str) -> SimpleNamespace:
+    """`lwm train` in this process, on its 8 devices (tests/conftest.py): the same command
+    without the start-up of a new Python; returns its exit status and stderr."""
+    from lwm.cli import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(
+            [
+                "train",
+                "--config",
+                str(ROOT / "configs/debug.yaml"),
+                *BASE,
+                f"train.output_dir={out}",
+                *overrides,
+            ]
+        )
+    return SimpleNamespace(returncode=code, stderr=err.getvalue())
 
 
 def losses(out: Path) -> dict[int, float]:
@@ -146,7 +169,7 @@ def test_kill_9_then_rerun_matches_uninterrupted(reference, tmp_path, kill_after
 
 def test_damaged_latest_checkpoint_falls_back(tmp_path):
     args = ["train.save_every=3", "mesh.shape=1,2,2,2", "train.schedule=constant"]
-    assert lwm_train(tmp_path, "train.steps=6", *args).returncode == 0
+    assert lwm_train_here(tmp_path, "train.steps=6", *args).returncode == 0
     first = losses(tmp_path)
     # Truncate every data file of checkpoint 6.
     damaged = [
@@ -158,7 +181,7 @@ def test_damaged_latest_checkpoint_falls_back(tmp_path):
     for p in damaged:
         with open(p, "r+b") as f:
             f.truncate(p.stat().st_size // 2)
-    r = lwm_train(tmp_path, "train.steps=9", *args)
+    r = lwm_train_here(tmp_path, "train.steps=9", *args)
     assert r.returncode == 0, r.stderr
     assert "checkpoint 6 cannot be restored" in r.stderr
     assert "resumed from checkpoint 3" in r.stderr
@@ -170,7 +193,7 @@ def test_damaged_latest_checkpoint_falls_back(tmp_path):
 
 
 def test_non_finite_loss_stops_naming_the_step(tmp_path):
-    r = lwm_train(
+    r = lwm_train_here(
         tmp_path,
         "train.steps=8",
         "train.save_every=2",
@@ -203,8 +226,8 @@ def test_sigterm_saves_then_resumes(reference, tmp_path):
 def test_gradient_accumulation_equals_one_big_batch(tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     common = ("train.steps=3", "mesh.shape=1,2,2,2", "train.batch_size=4")
-    assert lwm_train(one, *common).returncode == 0
-    r = lwm_train(two, *common, "train.grad_accum=2")
+    assert lwm_train_here(one, *common).returncode == 0
+    r = lwm_train_here(two, *common, "train.grad_accum=2")
     assert r.returncode == 0, r.stderr
     a, b = losses(one), losses(two)
     for step in (1, 2, 3):
@@ -213,8 +236,8 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path):
 
 def test_next_context_stage_starts_from_previous_run(tmp_path):
     stage1, stage2 = tmp_path / "s1", tmp_path / "s2"
-    assert lwm_train(stage1, "train.steps=3", "mesh.shape=1,1,8,1").returncode == 0
-    r = lwm_train(
+    assert lwm_train_here(stage1, "train.steps=3", "mesh.shape=1,1,8,1").returncode == 0
+    r = lwm_train_here(
         stage2,
         "train.steps=2",
         "mesh.shape=1,1,8,1",
@@ -228,7 +251,7 @@ def test_next_context_stage_starts_from_previous_run(tmp_path):
     # Stage 2 starts from the trained weights: its first loss is below a fresh model's.
     fresh = tmp_path / "fresh"
     assert (
-        lwm_train(
+        lwm_train_here(
             fresh,
             "train.steps=1",
             "mesh.shape=1,1,8,1",
