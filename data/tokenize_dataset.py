@@ -1,6 +1,6 @@
 """`lwm tokenize`: videos, images and text to LWM token streams in a tfds array_record dataset.
 
-Pipeline: worker processes decode, sample, resize and crop the media of the items in dataset
+Pipeline (`data.chunk_encoder`): worker processes decode, sample, resize and crop the media of the items in dataset
 order (`data.decode`, a bounded number in flight); the main process gathers their frames into
 full batches of ``batch_frames`` and encodes them with the VQGAN (jitted), so the encoder is fed
 while the workers read; each finished item becomes one record (`data.tokens.build_example`).
@@ -12,7 +12,7 @@ written to ``OUT.partial/chunk-NNNNN.array_record`` with its summary ``chunk-NNN
 last: a chunk is done when its JSON exists). A rerun with the same arguments skips the done
 chunks; encoder batches never span chunks, so every chunk's records are the same whether or not
 the run was interrupted. When all chunks are done the dataset is assembled in
-``OUT.partial/dataset`` and renamed to ``OUT``: ``OUT`` appears only complete.
+``OUT.partial/dataset`` and renamed to ``OUT``: ``OUT`` appears only complete (`data.workdir`).
 
 Many hosts share the chunks (the work directory must be on a file system they all see):
 - the processes of a ``jax.distributed`` job (``distributed=True``): process 0 lists the chunks
@@ -35,23 +35,28 @@ from __future__ import annotations
 
 import hashlib
 import json
-import multiprocessing
-import os
-import shutil
 import sys
 import time
-from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from data import dataset_io
-from data.decode import Decoded, DecodeOptions, decode_item
+from data.chunk_encoder import ChunkEncoder, decode_stream
+from data.decode import DecodeOptions
 from data.manifest import Item, read_inputs
-from data.tokens import EOF_ID, EOV_ID, NUM_CODES, TextCodec, build_example
+from data.tokens import NUM_CODES, TextCodec
+from data.workdir import (
+    TokenizeError,
+    chunk_plan,
+    chunk_range,
+    done_chunks,
+    open_work_dir,
+    publish,
+    read_chunk_infos,
+    work_dir,
+)
 from lwm.base.files import write_text
 
 if TYPE_CHECKING:
@@ -66,14 +71,9 @@ __all__ = [
     "tokenize_dataset",
 ]
 
-SPLIT = "train"
 # --video-loss: which records train on their video tokens (None: the default of
 # `data.tokens.build_example`, i.e. every record but a QA record's).
 LEARN_VIDEO: dict[str, bool | None] = {"captioned": None, "all": True, "none": False}
-
-
-class TokenizeError(Exception):
-    """The job cannot run as asked (existing output, a work directory of other arguments...)."""
 
 
 class Encoder(Protocol):
@@ -175,7 +175,7 @@ def tokenize_dataset(
     ``distributed``: this process is one of a `jax.distributed` job that shares the chunks."""
     log = log or (lambda msg: print(msg, file=sys.stderr))
     out = Path(opts.output)
-    work = _work_dir(out)
+    work = work_dir(out)
     if opts.video_loss not in LEARN_VIDEO:
         raise TokenizeError(
             f"unknown video loss '{opts.video_loss}'; choose one of {', '.join(LEARN_VIDEO)}"
@@ -200,10 +200,10 @@ def tokenize_dataset(
             f"for {NUM_CODES}"
         )
     job = _job(opts, items, codec, encoder)
-    _open_work_dir(work, job)
+    open_work_dir(work, job)
 
     num_chunks = -(-len(items) // opts.chunk_size)
-    done = _done_chunks(work, num_chunks)
+    done = done_chunks(work, num_chunks)
     role = ""
     if distributed:
         import jax
@@ -233,14 +233,14 @@ def tokenize_dataset(
     if done.any():
         log(f"resuming: {int(done.sum())} of {num_chunks} chunks already done in {work}")
     decode_opts = DecodeOptions(encoder.resolution, opts.fps, opts.max_frames, opts.min_frames)
-    plans = {c: _chunk_plan(items, _chunk_range(c, opts.chunk_size, len(items))) for c in todo}
+    plans = {c: chunk_plan(items, chunk_range(c, opts.chunk_size, len(items))) for c in todo}
     indices = [i for c in todo for i, first in plans[c] if first is None]
     start = summary.started = time.perf_counter()
     bar = _progress(opts, sum(len(plans[c]) for c in todo), role)
-    stream = _decode_stream(items, indices, decode_opts, opts.workers)
+    stream = decode_stream(items, indices, decode_opts, opts.workers)
     try:
         for c in todo:
-            chunk = _Chunk(
+            chunk = ChunkEncoder(
                 items,
                 codec,
                 encoder,
@@ -271,7 +271,7 @@ def tokenize_dataset(
         if jax.process_index() != 0:
             return summary  # process 0 publishes
     if opts.shard is not None:
-        summary.chunks_left = int(num_chunks - _done_chunks(work, num_chunks).sum())
+        summary.chunks_left = int(num_chunks - done_chunks(work, num_chunks).sum())
         return summary
     return _finish(work, out, num_chunks, opts.strict, job, summary, log)
 
@@ -281,7 +281,7 @@ def merge_dataset(output: str, *, strict: bool = False, log=None) -> TokenizeSum
     ``output`` appears once every chunk is done; a chunk not done is an error naming it."""
     log = log or (lambda msg: print(msg, file=sys.stderr))
     out = Path(output)
-    work = _work_dir(out)
+    work = work_dir(out)
     if out.exists():
         raise TokenizeError(f"output '{out}' already exists; nothing to merge")
     if not (work / "job.json").is_file():
@@ -296,220 +296,7 @@ def merge_dataset(output: str, *, strict: bool = False, log=None) -> TokenizeSum
 
 
 # ----------------------------------------------------------------------------------------------
-# one chunk: frames gathered into full encoder batches, records in item order
-
-
-class _Chunk:
-    def __init__(self, items, codec, encoder, batch_frames, summary, bar, log, learn_video=None):
-        self.items, self.codec, self.encoder = items, codec, encoder
-        self.learn_video = learn_video
-        self.batch_frames, self.summary, self.bar, self.log = batch_frames, summary, bar, log
-        self.queue: deque[tuple[int, np.ndarray]] = deque()  # frames waiting for the encoder
-        self.queued = 0
-        self.codes: dict[int, list[np.ndarray]] = {}
-        self.wanted: dict[int, int] = {}  # item -> frames it needs
-        self.records: dict[int, dict[str, Any]] = {}
-        self.errors: dict[int, str] = {}
-        self.frames = 0
-        self.done_codes: dict[int, np.ndarray] = {}  # codes of items that others repeat
-        self.repeats: dict[int, list[int]] = {}  # item -> later items of the same file
-
-    def add_same_as(self, index: int, first: int) -> None:
-        """Item ``index`` reads the same file as the earlier item ``first`` of this chunk."""
-        if self.bar is not None:
-            self.bar.update(1)
-        if first in self.errors:
-            self._fail(index, self.errors[first].replace(f"{self.items[first].path}: ", "", 1))
-        elif first in self.done_codes:
-            self._record(index, self.done_codes[first])
-        else:
-            self.repeats.setdefault(first, []).append(index)
-
-    def add(self, d: Decoded) -> None:
-        if self.bar is not None:
-            self.bar.update(1)
-        if d.error is not None:
-            self.errors[d.index] = d.error
-            self._report(d.error)
-        elif d.frames is None:
-            self._record(d.index, None)
-        else:
-            self.wanted[d.index] = len(d.frames)
-            self.codes[d.index] = []
-            self.queue.append((d.index, d.frames))
-            self.queued += len(d.frames)
-            while self.queued >= self.batch_frames:
-                self._encode(self.batch_frames)
-
-    def finish(self) -> None:
-        while self.queued:
-            self._encode(min(self.queued, self.batch_frames))
-
-    def _encode(self, n: int) -> None:
-        """Encode the first ``n`` queued frames (one batch, padded to ``batch_frames``)."""
-        parts, owners, left = [], [], n
-        while left:
-            index, frames = self.queue[0]
-            take = frames[:left]
-            parts.append(take)
-            owners.append((index, len(take)))
-            if len(take) == len(frames):
-                self.queue.popleft()
-            else:
-                self.queue[0] = (index, frames[len(take) :])
-            left -= len(take)
-        batch = np.concatenate(parts)
-        if n < self.batch_frames:  # the last batch of a chunk: same shape, same program
-            pad = np.zeros((self.batch_frames - n, *batch.shape[1:]), batch.dtype)
-            batch = np.concatenate([batch, pad])
-        t0 = time.perf_counter()
-        codes = np.asarray(self.encoder.encode(batch[None]))[0, :n]
-        self.summary.encode_seconds += time.perf_counter() - t0
-        self.queued -= n
-        self.frames += n
-        self.summary.frames += n
-        if self.bar is not None:
-            elapsed = time.perf_counter() - self.summary.started
-            self.bar.set_postfix_str(f"{self.summary.frames / max(elapsed, 1e-9):.1f} frames/s")
-        at = 0
-        for index, count in owners:
-            self.codes[index].append(codes[at : at + count])
-            at += count
-            if sum(len(c) for c in self.codes[index]) == self.wanted[index]:
-                item_codes = np.concatenate(self.codes.pop(index))
-                self._record(index, item_codes)
-                for later in self.repeats.pop(index, []):
-                    self._record(later, item_codes)
-
-    def _fail(self, index: int, problem: str) -> None:
-        item: Item = self.items[index]
-        error = f"{item.path or f'text item {index}'}: {problem}"
-        self.errors[index] = error
-        self._report(error)
-
-    def _record(self, index: int, codes: np.ndarray | None) -> None:
-        item: Item = self.items[index]
-        if codes is not None:
-            self.done_codes[index] = codes
-        try:
-            streams = build_example(
-                self.codec, codes, text=item.text, qa=item.qa_dicts(), learn_video=self.learn_video
-            )
-        except ValueError as e:
-            self._fail(index, str(e))
-            return
-        self.records[index] = {
-            **streams,
-            "source": item.path or "",
-            "kind": item.kind,
-            "num_frames": 0 if codes is None else len(codes),
-        }
-
-    def _report(self, error: str) -> None:
-        if self.bar is not None:
-            self.bar.write(f"failed: {error}", file=sys.stderr)
-        else:
-            self.log(f"failed: {error}")
-
-    def save(self, work: Path, c: int) -> None:
-        writer = dataset_io.ShardWriter(_chunk_shard(work, c))
-        lengths = []
-        for index in sorted(self.records):
-            record = self.records[index]
-            writer.write(record)
-            lengths.append(len(record["tokens"]))
-        writer.close()
-        info = {
-            "count": writer.count,
-            "num_bytes": writer.num_bytes,
-            "lengths": lengths,
-            "vision_tokens": int(sum(r["vision_mask"].sum() for r in self.records.values())),
-            "frames": self.frames,
-            "errors": [self.errors[i] for i in sorted(self.errors)],
-        }
-        _write_json(_chunk_json(work, c), info)
-
-
-# ----------------------------------------------------------------------------------------------
-# decoding in worker processes, in order, a bounded number ahead
-
-
-def _worker_init() -> None:
-    os.environ["JAX_PLATFORMS"] = (
-        "cpu"  # workers resize on the CPU; the accelerator is the encoder's
-    )
-
-
-def _decode_stream(
-    items: list[Item], indices: list[int], options: DecodeOptions, workers: int
-) -> Iterator[Decoded]:
-    if workers <= 0 or not indices:
-        for i in indices:
-            yield decode_item(i, items[i], options)
-        return
-    ahead = 2 * workers + 2
-    ctx = multiprocessing.get_context("spawn")  # no fork of a process that holds JAX state
-    with ctx.Pool(workers, initializer=_worker_init) as pool:
-        pending: deque = deque()
-        upcoming = iter(indices)
-
-        def submit() -> None:
-            i = next(upcoming, None)
-            if i is not None:
-                pending.append(pool.apply_async(decode_item, (i, items[i], options)))
-
-        for _ in range(ahead):
-            submit()
-        while pending:
-            result = pending.popleft().get()
-            submit()
-            yield result
-
-
-# ----------------------------------------------------------------------------------------------
-# the work directory, and the dataset assembled from it
-
-
-def _chunk_plan(items: list[Item], indices: range) -> list[tuple[int, int | None]]:
-    """(item, earlier item of the chunk with the same file or None): a file named by several
-    lines (a caption line and a QA line) is decoded and encoded once per chunk."""
-    first: dict[tuple[str, str], int] = {}
-    plan = []
-    for i in indices:
-        item = items[i]
-        key = (item.kind, item.path) if item.path is not None else None
-        if key is not None and key in first:
-            plan.append((i, first[key]))
-        else:
-            if key is not None:
-                first[key] = i
-            plan.append((i, None))
-    return plan
-
-
-def _work_dir(out: Path) -> Path:
-    return out.with_name(out.name + ".partial")
-
-
-def _done_chunks(work: Path, num_chunks: int) -> np.ndarray:
-    """bool [num_chunks]: which chunks are done (their JSON, written last, exists)."""
-    return np.asarray([_chunk_json(work, c).is_file() for c in range(num_chunks)], bool)
-
-
-def _chunk_range(c: int, size: int, total: int) -> range:
-    return range(c * size, min((c + 1) * size, total))
-
-
-def _chunk_shard(work: Path, c: int) -> Path:
-    return work / f"chunk-{c:05d}.array_record"
-
-
-def _chunk_json(work: Path, c: int) -> Path:
-    return work / f"chunk-{c:05d}.json"
-
-
-def _write_json(path: Path, data: Any) -> None:
-    write_text(path, json.dumps(data, indent=1) + "\n")
+# the job, publishing, progress
 
 
 def _job(opts: TokenizeOptions, items: list[Item], codec: TextCodec, encoder: Encoder) -> dict:
@@ -533,25 +320,6 @@ def _job(opts: TokenizeOptions, items: list[Item], codec: TextCodec, encoder: En
     }
 
 
-def _open_work_dir(work: Path, job: dict) -> None:
-    path = work / "job.json"
-    if path.is_file():
-        old = json.loads(path.read_text())
-        differ = sorted(k for k in set(old) | set(job) if old.get(k) != job.get(k))
-        if differ:
-            raise TokenizeError(
-                f"'{work}' holds an interrupted run with other arguments or inputs "
-                f"({', '.join(differ)} differ); rerun with the same arguments to continue it, "
-                "or remove it to start over"
-            )
-        return
-    work.mkdir(parents=True, exist_ok=True)
-    _write_json(path, job)
-    # Processes of one job start together and may each have written it: all the same job.
-    if json.loads(path.read_text()) != job:
-        _open_work_dir(work, job)  # another process's different job: the error above
-
-
 def _finish(
     work: Path,
     out: Path,
@@ -561,14 +329,9 @@ def _finish(
     summary: TokenizeSummary,
     log,
 ) -> TokenizeSummary:
-    missing = np.flatnonzero(~_done_chunks(work, num_chunks))
-    if len(missing):
-        shown = ", ".join(str(c) for c in missing[:8]) + (", ..." if len(missing) > 8 else "")
-        raise TokenizeError(
-            f"{len(missing)} of {num_chunks} chunks are not done in '{work}' (chunk {shown}); "
-            "run the shards that make them (or the whole command) again, then merge"
-        )
-    infos = [json.loads(_chunk_json(work, c).read_text()) for c in range(num_chunks)]
+    """Count the job's records and failures, write ``OUT.errors.txt``, and publish ``OUT``
+    unless ``strict`` and something failed."""
+    infos = read_chunk_infos(work, num_chunks)
     summary.errors = [e for info in infos for e in info["errors"]]
     summary.failed = len(summary.errors)
     summary.ok = sum(info["count"] for info in infos)
@@ -588,56 +351,7 @@ def _finish(
         return summary
     if summary.ok == 0:
         raise TokenizeError(f"no item could be tokenized; nothing written (see {errors_path})")
-
-    staging = work / "dataset"
-    if staging.exists():
-        shutil.rmtree(staging)
-    staging.mkdir()
-    shards = [c for c in range(num_chunks) if infos[c]["count"]]
-    for n, c in enumerate(shards):
-        target = staging / dataset_io.shard_name(SPLIT, n, len(shards))
-        try:
-            os.link(_chunk_shard(work, c), target)
-        except OSError:
-            shutil.copyfile(_chunk_shard(work, c), target)
-    lengths = np.asarray([n for c in shards for n in infos[c]["lengths"]], np.int32)
-    np.save(dataset_io.lengths_path(staging, SPLIT), lengths, allow_pickle=False)
-    metadata = {
-        "format": "lwm-tokens/1",
-        "text_tokenizer": job["text_tokenizer"],
-        "markers": {
-            "vision_start": job["text_tokenizer"]["vision_start"],
-            "vision_end": job["text_tokenizer"]["vision_end"],
-            "eof": EOF_ID,
-            "eov": EOV_ID,
-        },
-        "vqgan": {
-            "path": job["vqgan"],
-            "resolution": job["resolution"],
-            "tokens_per_frame": job["tokens_per_frame"],
-            "codebook_size": job["codebook_size"],
-        },
-        "sampling": {k: job[k] for k in ("fps", "max_frames", "min_frames")},
-        "video_loss": job["video_loss"],
-        "input": job["input"],
-        "counts": {
-            "items": summary.items,
-            "records": summary.ok,
-            "failed": summary.failed,
-            "tokens": summary.tokens,
-            "vision_tokens": sum(info["vision_tokens"] for info in infos),
-        },
-    }
-    dataset_io.write_metadata(
-        staging,
-        SPLIT,
-        [infos[c]["count"] for c in shards],
-        sum(infos[c]["num_bytes"] for c in shards),
-        metadata,
-        description=f"LWM token streams made by `lwm tokenize` from {job['input']}",
-    )
-    os.rename(staging, out)
-    shutil.rmtree(work)
+    publish(work, out, infos, job)
     summary.published = True
     return summary
 
