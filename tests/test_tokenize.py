@@ -401,33 +401,60 @@ def test_shards_killed_rerun_and_merged_equal_one_process(
     assert not work.exists() and not list(tmp_path.glob("tokens.lock*"))
 
 
-def test_a_jax_distributed_job_equals_one_process(tmp_path, synthetic, vqgan_dir, one_process):
-    """Two processes on localhost (gloo), 2 CPU devices each by --cpu-devices, no XLA_FLAGS."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+def test_a_jax_distributed_job_killed_and_rerun_equals_one_process(
+    tmp_path, synthetic, vqgan_dir, one_process
+):
+    """Two processes on localhost (gloo), 2 CPU devices each by --cpu-devices, no XLA_FLAGS.
+    The job is killed (both processes, kill -9) once a few chunks are done, as a scheduler kills
+    a job whose host died; the rerun finishes the rest and publishes the one-process dataset."""
     out = tmp_path / "tokens"
-    args = ["--input", str(synthetic), "--vqgan", str(vqgan_dir), *SHARED, "--output", str(out)]
-    args += ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--cpu-devices", "2"]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "lwm", "tokenize", *args, "--process-id", str(i)],
-            cwd=ROOT,
-            env=_env_without_xla_flags(),
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i in range(2)
-    ]
-    errs = []
+    work = tmp_path / "tokens.partial"
+
+    def start() -> list[subprocess.Popen]:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        args = ["--input", str(synthetic), "--vqgan", str(vqgan_dir), *SHARED]
+        args += ["--output", str(out), "--coordinator", f"127.0.0.1:{port}"]
+        args += ["--num-processes", "2", "--cpu-devices", "2"]
+        return [
+            subprocess.Popen(
+                [sys.executable, "-m", "lwm", "tokenize", *args, "--process-id", str(i)],
+                cwd=ROOT,
+                env=_env_without_xla_flags(),
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for i in range(2)
+        ]
+
+    procs = start()
+    deadline = time.time() + 120
+    while len(list(work.glob("chunk-*.json"))) < 2:
+        assert all(p.poll() is None for p in procs), [p.stderr.read() for p in procs]
+        assert time.time() < deadline
+        time.sleep(0.01)
     for p in procs:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        p.stderr.close()
+    done = len(list(work.glob("chunk-*.json")))
+    assert not out.exists() and 2 <= done < 12
+
+    errs = []
+    for p in start():
         _, err = p.communicate(timeout=300)
         assert p.returncode == 0, err
         errs.append(err)
-    assert "process 0 of 2: made 6 of the 12 chunks" in errs[0] and f"wrote {out}" in errs[0]
-    assert "process 1 of 2: made 6 of the 12 chunks" in errs[1] and "wrote" not in errs[1]
+    # process 0 listed the chunks still to do; the two split them evenly
+    left = 12 - done
+    assert f"process 0 of 2: made {-(-left // 2)} of the 12 chunks" in errs[0]
+    assert f"process 1 of 2: made {left // 2} of the 12 chunks" in errs[1]
+    assert f"wrote {out}" in errs[0] and "wrote" not in errs[1]
+    assert "taking over the lock" in errs[0] + errs[1]
     assert_same_dataset(out, one_process)
+    assert not list(tmp_path.glob("tokens.lock*"))
 
 
 HOLD = """
