@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from data.tokens import EOF_ID, EOV_ID
@@ -382,12 +382,16 @@ def state_shardings(state: nnx.State, mesh: Mesh) -> nnx.State:
     return jax.tree.map(sharding, state, is_leaf=_is_variable)
 
 
-def abstract_params(cfg: ModelConfig, mesh: Mesh) -> tuple[nnx.GraphDef, nnx.State]:
+def abstract_params(cfg: ModelConfig, mesh: Mesh | None) -> tuple[nnx.GraphDef, nnx.State]:
     """(graphdef, parameters) of the model with `jax.ShapeDtypeStruct` leaves that carry their
-    shardings on ``mesh``: what checkpoints restore into."""
+    shardings on ``mesh`` (without one: the default device): what checkpoints restore into."""
     abstract_model = nnx.eval_shape(lambda: LWMModel(cfg, rngs=nnx.Rngs(0), mesh=mesh))
     graphdef, params = nnx.split(abstract_model, nnx.Param)
-    shardings = state_shardings(params, mesh)
+    if mesh is None:
+        one = SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree.map(lambda _: one, params, is_leaf=_is_variable)
+    else:
+        shardings = state_shardings(params, mesh)
     params = jax.tree.map(
         lambda v, s: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s)),
         params,

@@ -113,13 +113,7 @@ def load_run(
             f"'{run_dir}' is not an lwm train run (expected config.yaml and checkpoints/)"
         )
     cfg = load_config(config_file)
-    if mesh is None:
-        from lwm.base.mesh import make_mesh
-
-        mesh_for_restore = make_mesh("1,1,1,1", devices=jax.devices()[:1])
-    else:
-        mesh_for_restore = mesh
-    graphdef, abs_params = abstract_params(cfg.model, mesh_for_restore)
+    graphdef, abs_params = abstract_params(cfg.model, mesh)
     manager = checkpoint_manager(checkpoints, cfg)
     try:
         found = restore_newest(manager, {"params": abs_params}, log, partial=True)
@@ -129,7 +123,4 @@ def load_run(
         raise FileNotFoundError(f"no checkpoint in '{checkpoints}' can be restored")
     step, state, _ = found
     log(f"loaded {run_dir} at step {step}")
-    model = nnx.merge(graphdef, state["params"])
-    if mesh is None:
-        model.mesh = None
-    return cfg, model
+    return cfg, nnx.merge(graphdef, state["params"])

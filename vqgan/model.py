@@ -160,6 +160,10 @@ class VQGAN(nnx.Module):
         self.post_quant_conv = _conv(cfg, cfg.embed_dim, cfg.z_channels, 1, rngs)
         self.decoder = Decoder(cfg, rngs=rngs)
 
+    def num_parameters(self) -> int:
+        """How many numbers the model's parameters hold."""
+        return sum(int(x.size) for x in jax.tree.leaves(nnx.state(self, nnx.Param)))
+
     def _check_frames(self, x: jax.Array) -> None:
         res = self.cfg.resolution
         if x.ndim != 4 or x.shape[1:] != (res, res, self.cfg.num_channels):

@@ -178,12 +178,5 @@ def _import(args: argparse.Namespace) -> int:
     tree = load_legacy_pickle(args.pickle, allow_pickle=args.allow_legacy_pickle)
     model = import_lwm_params(tree, cfg.model, source=args.pickle)
     save_weights(args.out, model, cfg)
-    n = sum(int(np.prod(v.shape)) for v in _leaves(tree))
-    print(f"imported {n:,} parameters from {args.pickle} into {args.out}")
+    print(f"imported {model.num_parameters():,} parameters from {args.pickle} into {args.out}")
     return 0
-
-
-def _leaves(tree: object) -> list[np.ndarray]:
-    if isinstance(tree, dict):
-        return [leaf for value in tree.values() for leaf in _leaves(value)]
-    return [np.asarray(tree)]
