@@ -62,6 +62,7 @@ __all__ = [
     "render_frames",
     "render_video",
     "sample_video",
+    "with_article",
     "write_dataset",
 ]
 
@@ -117,14 +118,14 @@ class VideoSpec:
     def caption(self) -> str:
         """One sentence naming every object (left to right as they start) and the needle."""
         ordered = sorted(self.objects, key=lambda o: (o.x, o.y))
-        parts = [f"{_a(o.colour)} {o.shape} moving {o.direction}" for o in ordered]
+        parts = [f"{with_article(o.colour)} {o.shape} moving {o.direction}" for o in ordered]
         listed = parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
         n = len(self.objects)
         text = (
             f"{NUMBER_WORDS[n].capitalize()} shape{'s' * (n != 1)} on a dark background: {listed}."
         )
         if self.needle is not None:
-            needle = f"{_a(self.needle.colour)} {self.needle.shape}".capitalize()
+            needle = f"{with_article(self.needle.colour)} {self.needle.shape}".capitalize()
             text += f" {needle} appears for a single frame."
         return text
 
@@ -147,7 +148,9 @@ class VideoSpec:
             turns.append((f"What shape is the {o.colour} one?", o.shape))
             turns.append((f"Which direction does the {o.colour} {o.shape} move?", o.direction))
         n = self.needle
-        turns.append(("What appeared briefly?", f"{_a(n.colour)} {n.shape}" if n else "nothing"))
+        turns.append(
+            ("What appeared briefly?", f"{with_article(n.colour)} {n.shape}" if n else "nothing")
+        )
         order = np.random.default_rng([self.seed, self.index, 1]).permutation(len(turns))
         return [
             {"question": q, "answer": a, "category": question_category(q) or "other"}
@@ -158,7 +161,7 @@ class VideoSpec:
         return {**asdict(self), "caption": self.caption, "qa": self.qa}
 
 
-def _a(word: str) -> str:
+def with_article(word: str) -> str:
     """``word`` with its indefinite article: "a red", "an orange"."""
     return f"{'an' if word[0] in 'aeiou' else 'a'} {word}"
 

@@ -155,7 +155,7 @@ def load_video_qa(
     *,
     config: str | None = None,
     mesh=None,
-    vqgan: str | None = None,
+    vqgan: str | bool | None = None,
     tokenizer: str | None = None,
     max_frames: int | None = None,
     fps: float | None = None,
@@ -191,23 +191,26 @@ def load_video_qa(
 def video_qa_for(
     model: Any,
     inputs: TrainingInputs,
-    vqgan: str | None = None,
+    vqgan: str | bool | None = None,
     tokenizer: str | None = None,
     max_frames: int | None = None,
     fps: float | None = None,
     **options: Any,
 ) -> VideoQA:
     """A `VideoQA` whose VQGAN, text tokenizer and frame sampling default to those of the
-    training dataset described by ``inputs``; ``options`` go to `VideoQA`."""
+    training dataset described by ``inputs``; ``options`` go to `VideoQA`. ``vqgan=False``:
+    text prompts only, no VQGAN loaded."""
     from data.tokens import TextCodec
     from vqgan import load_tokenizer
 
+    codec = TextCodec.load(tokenizer or inputs.get("tokenizer"))
+    if vqgan is False:
+        return VideoQA(model, codec, None, **options)
     vqgan = vqgan or inputs.get("vqgan")
     if not vqgan:
         raise ValueError("a VQGAN is needed (--vqgan): the model's training dataset names none")
     if max_frames is None and fps is None:
         max_frames, fps = inputs.get("max_frames"), inputs.get("fps")
-    codec = TextCodec.load(tokenizer or inputs.get("tokenizer"))
     # The VQGAN shards its frames over the language model's mesh: one mesh per process.
     encoder = load_tokenizer(vqgan, mesh=getattr(model, "mesh", None))
     return VideoQA(model, codec, encoder, max_frames=max_frames, fps=fps, **options)

@@ -4,6 +4,14 @@
   lwm eval qa --model run:runs/demo/lm --manifest held_out/manifest.jsonl \\
       --train-manifest train/manifest.jsonl --out qa.jsonl
 
+`needle`: needle-in-a-haystack on a grid of lengths x depths (`lwm.needle`): --kind text (LWM's
+"special magic number" in a haystack of --lengths tokens), multi (--needles inserted, --asked
+asked) or video (a long video of --lengths frames of synthetic clips with one needle shown for
+--needle-frames frames); answers as JSON lines and a heatmap PNG in --out.
+
+  lwm eval needle --model run:runs/demo/lm --kind text --lengths 500,1000,2000 --out runs/needle
+  lwm eval needle --model run:runs/demo/lm --kind video --lengths 4,8,16 --samples 4 --out runs/needle
+
 `qa`: every question of a QA manifest, scored per category under three conditions: the model
 with the right video, the model with another video of the set (the swap ablation: answers are
 scored against the right video's answers), and a blind baseline that never sees a video (the
@@ -61,6 +69,48 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--out", help="write the JSON lines here instead of stdout")
     _SUBPARSERS["qa"] = p
 
+    p = sub.add_parser("needle", help="needle in a haystack (text, multi, video): a heatmap")
+    add_model_arguments(p)
+    p.add_argument("--kind", choices=("text", "multi", "video"), default="text")
+    p.add_argument(
+        "--lengths",
+        type=_numbers(int),
+        required=True,
+        help="context lengths: prompt tokens (text, multi) or frames (video), e.g. 1000,4000",
+    )
+    p.add_argument(
+        "--depths",
+        type=_numbers(float),
+        default=[0.0, 0.25, 0.5, 0.75, 1.0],
+        help="needle depths in [0, 1] (default 0,0.25,0.5,0.75,1)",
+    )
+    p.add_argument("--samples", type=positive_int, default=1, help="cases per cell")
+    p.add_argument("--needles", type=positive_int, default=4, help="multi: needles inserted")
+    p.add_argument("--asked", type=positive_int, default=2, help="multi: needles asked")
+    p.add_argument("--haystack", help="text file of the haystack (default: lwm/haystack.txt)")
+    p.add_argument("--clip-frames", type=positive_int, default=4, help="video: frames per clip")
+    p.add_argument("--needle-frames", type=positive_int, default=1, help="video: needle frames")
+    p.add_argument("--max-objects", type=positive_int, default=2, help="video: shapes per clip")
+    p.add_argument(
+        "--radius", type=_numbers(float), default=[0.12, 0.16], help="video: shape radius range"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, help="folder for needle-KIND.jsonl and .png")
+    _SUBPARSERS["needle"] = p
+
+
+def _numbers(kind):
+    def parse(text: str) -> list:
+        try:
+            values = [kind(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            values = []
+        if not values:
+            raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}")
+        return values
+
+    return parse
+
 
 def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
     if argv and argv[0] in _SUBPARSERS:
@@ -70,9 +120,9 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse
     return parser.parse_args(list(argv))
 
 
-def load_video_qa(args: argparse.Namespace, log):
+def load_video_qa(args: argparse.Namespace, log, *, vqgan: bool = True):
     """`lwm.vision_qa.load_video_qa` with the options of `add_model_arguments`; the mesh is
-    built here, once, and passed down."""
+    built here, once, and passed down. ``vqgan=False``: text prompts only."""
     from lwm.base.mesh import make_mesh
     from lwm.generate import Sampling
     from lwm.vision_qa import load_video_qa as load
@@ -81,7 +131,7 @@ def load_video_qa(args: argparse.Namespace, log):
         args.model,
         config=args.config,
         mesh=make_mesh(args.mesh) if args.mesh else None,
-        vqgan=args.vqgan,
+        vqgan=args.vqgan if vqgan else False,
         tokenizer=args.tokenizer,
         max_frames=args.max_frames,
         fps=args.fps,
@@ -97,6 +147,8 @@ def _log(msg: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.subcommand == "needle":
+        return _needle(args)
     from lwm.qa_eval import BlindBaseline, evaluate, read_questions
 
     try:
@@ -120,4 +172,56 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps(r))
         print(json.dumps(report.summary()))
     print(report.table(), file=sys.stderr)
+    return 0
+
+
+def _needle(args: argparse.Namespace) -> int:
+    import datetime
+    from pathlib import Path
+
+    from lwm.needle import Haystack, evaluate_needles, text_cases, video_cases
+
+    bad = [d for d in args.depths if not 0.0 <= d <= 1.0]
+    if bad or min(args.lengths) < 1:
+        what = f"depth {bad[0]} is not in [0, 1]" if bad else "lengths must be positive"
+        print(f"lwm eval: error: {what}", file=sys.stderr)
+        return 2
+    try:
+        qa, _ = load_video_qa(args, _log, vqgan=args.kind == "video")
+        common = dict(lengths=args.lengths, depths=args.depths, samples=args.samples)
+        if args.kind == "video":
+            cases = video_cases(
+                qa.codec,
+                qa.vqgan,
+                **common,
+                seed=args.seed,
+                size=qa.vqgan.resolution,
+                clip_frames=args.clip_frames,
+                needle_frames=args.needle_frames,
+                max_objects=args.max_objects,
+                radius=tuple(args.radius),
+            )
+        else:
+            multi = args.kind == "multi"
+            cases = text_cases(
+                qa.codec,
+                **common,
+                needles=args.needles if multi else 1,
+                asked=args.asked if multi else 1,
+                haystack=Haystack.from_file(qa.codec, args.haystack),
+                seed=args.seed,
+            )
+        report = evaluate_needles(qa, cases, log=_log)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"lwm eval: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    jsonl, png = out / f"needle-{args.kind}.jsonl", out / f"needle-{args.kind}.png"
+    report.write_jsonl(jsonl)
+    today = datetime.date.today().isoformat()
+    grid = f"{len(args.lengths)} lengths x {len(args.depths)} depths, {args.samples} per cell"
+    report.heatmap(png, title=f"{args.kind} needle: {args.model}\n{grid}, {today}")
+    print(report.table(), file=sys.stderr)
+    print(json.dumps(report.summary()))
+    _log(f"wrote {jsonl} and {png}")
     return 0

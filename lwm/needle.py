@@ -1,0 +1,386 @@
+"""Needle-in-a-haystack evaluations, as LWM's ``run_eval_needle`` / ``run_eval_needle_multi``
+and a video needle, scored on a grid of context lengths x depths.
+
+- **text**: LWM's needle, ``The special magic {city} number is: {7 digits}.``, inserted at a
+  sentence boundary at ``depth`` (0 = start, 1 = end) of a haystack of about ``length`` tokens
+  (sentences of a text file, by default ``lwm/haystack.txt`` which ships with the package,
+  repeated from a sample-dependent sentence as often as needed); the model is asked ``What is
+  the special magic {city} number?`` and is right when the number is in its greedy answer.
+- **multi**: ``needles`` such needles (distinct cities and numbers), the first at ``depth`` and
+  the others at depths drawn per sample; ``asked`` of them are asked, one prompt each; the
+  sample's score is the share of asked numbers found.
+- **video**: a long video of ``length`` frames made of synthetic clips (`data.synthetic`, no
+  needles of their own), with one needle (a shape in a colour no shape of the video has) drawn
+  for ``needle_frames`` frames starting at ``depth``; asked ``What appeared briefly?`` as the
+  synthetic QA asks it, and right when the answer is ``a {colour} {shape}``.
+
+Prompts are the ones the model was trained with (`data.tokens`): ``BOS haystack USER: question
+ASSISTANT:`` for text, ``BOS <vision> codes </vision> USER: question ASSISTANT:`` for video;
+answers come from `lwm.vision_qa.VideoQA.answer_prompts` (greedy, stop at EOS).
+
+    report = evaluate_needles(qa, text_cases(codec, lengths=[1000, 4000], depths=[0, .5, 1]))
+    report.write_jsonl("needle.jsonl"); report.heatmap("needle.png", title="...")
+"""
+
+from __future__ import annotations
+
+import re
+import textwrap
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from data.tokens import TextCodec, qa_prompt, qa_prompt_streams
+
+__all__ = [
+    "CITIES",
+    "DEFAULT_HAYSTACK",
+    "Haystack",
+    "NeedleCase",
+    "NeedleReport",
+    "evaluate_needles",
+    "needle_video",
+    "text_cases",
+    "video_cases",
+]
+
+DEFAULT_HAYSTACK = Path(__file__).with_name("haystack.txt")
+NEEDLE = "The special magic {city} number is: {number}."
+QUESTION = "What is the special magic {city} number?"
+VIDEO_QUESTION = "What appeared briefly?"
+CITIES = (
+    "Lisbon", "Nairobi", "Osaka", "Quito", "Tallinn", "Hanoi", "Perth", "Dakar", "Lima",
+    "Oslo", "Tbilisi", "Accra", "Havana", "Bergen", "Cusco", "Porto", "Kyoto", "Split",
+    "Ghent", "Malmo", "Turin", "Lyon", "Krakow", "Izmir", "Tunis", "Recife", "Hobart",
+    "Sapporo", "Dundee", "Bilbao",
+)  # fmt: skip
+
+
+@dataclass
+class NeedleCase:
+    """One sample of one grid cell: its prompts and what each answer must contain."""
+
+    kind: str  # "text", "multi" or "video"
+    length: int  # the cell's length: haystack tokens (text, multi) or frames (video)
+    depth: float  # the cell's depth of the (first) needle
+    sample: int
+    prompts: list[tuple[np.ndarray, np.ndarray]]  # (tokens, vision_mask), one per question
+    expected: list[str]  # per prompt: the number (text) or the answer (video)
+    questions: list[str]
+    info: dict[str, Any] = field(default_factory=dict)  # actual depths, prompt tokens, ...
+
+
+class Haystack:
+    """Sentences of a text, tokenized once, laid end to end to any length."""
+
+    def __init__(self, codec: TextCodec, text: str, name: str = "haystack"):
+        sentences = [s for s in re.split(r"(?<=[.!?])\s+", " ".join(text.split())) if s]
+        if not sentences:
+            raise ValueError(f"{name}: no text to build a haystack from")
+        self.codec, self.name = codec, name
+        self.sentences = [codec.encode(" " + s) for s in sentences]
+
+    @classmethod
+    def from_file(cls, codec: TextCodec, path: str | Path | None = None) -> Haystack:
+        path = Path(path) if path is not None else DEFAULT_HAYSTACK
+        if not path.is_file():
+            raise FileNotFoundError(f"haystack file '{path}' not found")
+        return cls(codec, path.read_text(errors="replace"), name=str(path))
+
+    def build(
+        self, length: int, needles: Sequence[tuple[float, list[int]]], start: int = 0
+    ) -> tuple[list[int], list[float]]:
+        """About ``length`` tokens: whole sentences from sentence ``start`` on (cycling), with
+        each needle ``(depth, ids)`` inserted at the sentence boundary nearest to ``depth`` of
+        the haystack. Returns the tokens and each needle's actual depth (the share of the
+        haystack's tokens before it), in the order given."""
+        budget = length - sum(len(ids) for _, ids in needles)
+        if budget <= 0:
+            raise ValueError(f"a haystack of {length} tokens cannot hold the needles")
+        pieces: list[list[int]] = []
+        total, i = 0, start
+        while total < budget:
+            sentence = self.sentences[i % len(self.sentences)]
+            if total + len(sentence) > budget:
+                break  # whole sentences only: never longer than asked
+            pieces.append(sentence)
+            total += len(sentence)
+            i += 1
+        bounds = np.cumsum([0] + [len(p) for p in pieces])  # token offset of each boundary
+        where = [int(np.abs(bounds - d * total).argmin()) for d, _ in needles]
+        tokens: list[int] = []
+        for b, piece in enumerate([*pieces, []]):
+            for k, (_, ids) in enumerate(needles):
+                if where[k] == b:
+                    tokens += ids
+            tokens += piece
+        actual = [float(bounds[w] / max(total, 1)) for w in where]
+        return tokens, actual
+
+
+def _number(rng: np.random.Generator) -> str:
+    return str(int(rng.integers(1_000_000, 10_000_000)))
+
+
+def text_cases(
+    codec: TextCodec,
+    *,
+    lengths: Sequence[int],
+    depths: Sequence[float],
+    samples: int = 1,
+    needles: int = 1,
+    asked: int = 1,
+    haystack: Haystack | None = None,
+    seed: int = 0,
+) -> Iterator[NeedleCase]:
+    """The text (``needles == 1``) or multi-needle grid: ``samples`` cases per (length, depth);
+    ``length`` counts the whole prompt's tokens."""
+    if not 1 <= asked <= needles <= len(CITIES):
+        raise ValueError(
+            f"need 1 <= asked <= needles <= {len(CITIES)}, got {asked} asked of {needles}"
+        )
+    haystack = haystack or Haystack.from_file(codec)
+    bos = [] if codec.bos_id is None else [codec.bos_id]
+    for length in lengths:
+        for depth in depths:
+            for sample in range(samples):
+                rng = np.random.default_rng([seed, length, round(depth * 1000), sample])
+                cities = [CITIES[i] for i in rng.permutation(len(CITIES))[:needles]]
+                numbers = [_number(rng) for _ in cities]
+                spots = [float(depth)] + [float(d) for d in rng.uniform(0, 1, needles - 1)]
+                ids = [
+                    codec.encode(" " + NEEDLE.format(city=c, number=n))
+                    for c, n in zip(cities, numbers, strict=True)
+                ]
+                ask = [0] + [int(i) for i in 1 + rng.permutation(needles - 1)[: asked - 1]]
+                questions = [QUESTION.format(city=cities[k]) for k in ask]
+                tails = [codec.encode(" " + qa_prompt(q)) for q in questions]
+                room = length - len(bos) - max(len(t) for t in tails)
+                start = int(rng.integers(len(haystack.sentences)))
+                body, actual = haystack.build(room, list(zip(spots, ids, strict=True)), start)
+                prompts = []
+                for tail in tails:
+                    tokens = np.asarray(bos + body + tail, np.int32)
+                    prompts.append((tokens, np.zeros(len(tokens), bool)))
+                yield NeedleCase(
+                    kind="text" if needles == 1 else "multi",
+                    length=length,
+                    depth=float(depth),
+                    sample=sample,
+                    prompts=prompts,
+                    expected=[numbers[k] for k in ask],
+                    questions=questions,
+                    info={
+                        "prompt_tokens": len(prompts[0][0]),
+                        "needle_depths": [actual[k] for k in ask],
+                    },
+                )
+
+
+def needle_video(
+    frames: int,
+    depth: float,
+    *,
+    seed: int = 0,
+    size: int = 32,
+    clip_frames: int = 4,
+    needle_frames: int = 1,
+    **world: Any,
+) -> tuple[np.ndarray, str, range]:
+    """A long video: ``frames`` frames of consecutive synthetic clips of ``seed`` (without
+    needles of their own), and one needle (a shape in a colour that no shape of the video has)
+    in frames ``[start, start + needle_frames)``, ``start`` at ``depth`` of the video. Returns
+    uint8 frames ``[frames, size, size, 3]``, the expected answer and the needle's frames.
+    ``world``: `data.synthetic.sample_video`'s ``max_objects``, ``radius``, ``travel``."""
+    from data.synthetic import PALETTE, SHAPES, render_video, sample_video, shape_mask
+    from data.synthetic import with_article as article
+
+    if not 1 <= needle_frames <= frames:
+        raise ValueError(f"a needle of {needle_frames} frames does not fit in {frames} frames")
+    rng = np.random.default_rng([seed, frames, round(depth * 1000), 7])
+    colour = str(rng.choice(sorted(PALETTE)))
+    shape = str(rng.choice(SHAPES))
+    parts, index = [], 0
+    while sum(len(p) for p in parts) < frames:
+        spec = sample_video(
+            seed, index, size=size, num_frames=clip_frames, needle_prob=0.0, **world
+        )
+        index += 1
+        if all(o.colour != colour for o in spec.objects):
+            parts.append(render_video(spec))
+        if index > 100 * frames:
+            raise ValueError(f"no clips of seed {seed} avoid the colour {colour}")
+    video = np.concatenate(parts)[:frames].copy()
+    lo, hi = world.get("radius", (0.12, 0.16))
+    radius = float(rng.uniform(lo, hi)) * size
+    margin = 1.3 * radius + 1
+    x, y = (float(v) for v in rng.uniform(margin, size - margin, 2))
+    start = round(depth * (frames - needle_frames))
+    mask = shape_mask(shape, x, y, radius, size)
+    for t in range(start, start + needle_frames):
+        video[t][mask] = PALETTE[colour]
+    return video, f"{article(colour)} {shape}", range(start, start + needle_frames)
+
+
+def video_cases(
+    codec: TextCodec,
+    vqgan: Any,
+    *,
+    lengths: Sequence[int],
+    depths: Sequence[float],
+    samples: int = 1,
+    seed: int = 0,
+    **video: Any,
+) -> Iterator[NeedleCase]:
+    """The video grid: ``samples`` long videos per (frames, depth), each encoded with ``vqgan``
+    and asked what appeared briefly; ``video``: `needle_video`'s options."""
+    for length in lengths:
+        for depth in depths:
+            for sample in range(samples):
+                frames, expected, where = needle_video(
+                    length, depth, seed=seed * 1000 + sample, **video
+                )
+                codes = np.asarray(vqgan.encode(frames[None]))[0]
+                tokens, vision = qa_prompt_streams(codec, codes, VIDEO_QUESTION)
+                yield NeedleCase(
+                    kind="video",
+                    length=length,
+                    depth=float(depth),
+                    sample=sample,
+                    prompts=[(tokens, vision)],
+                    expected=[expected],
+                    questions=[VIDEO_QUESTION],
+                    info={"prompt_tokens": len(tokens), "needle_frames": [where.start, where.stop]},
+                )
+
+
+def _right(kind: str, answer: str, expected: str) -> bool:
+    if kind == "video":
+        from lwm.qa_eval import normalise
+
+        return normalise(answer) == normalise(expected)
+    return expected in answer  # LWM's substring score
+
+
+@dataclass
+class NeedleReport:
+    """Every answer (``rows``) and the accuracy of each grid cell."""
+
+    kind: str
+    rows: list[dict[str, Any]]
+
+    def grid(self) -> tuple[list[int], list[float], np.ndarray]:
+        """(lengths, depths, accuracy [depths, lengths]): the mean score of each cell."""
+        lengths = sorted({r["length"] for r in self.rows})
+        depths = sorted({r["depth"] for r in self.rows})
+        acc = np.full((len(depths), len(lengths)), np.nan)
+        for i, d in enumerate(depths):
+            for j, n in enumerate(lengths):
+                scores = [r["score"] for r in self.rows if r["depth"] == d and r["length"] == n]
+                if scores:
+                    acc[i, j] = float(np.mean(scores))
+        return lengths, depths, acc
+
+    def summary(self) -> dict[str, Any]:
+        lengths, depths, acc = self.grid()
+        return {
+            "kind": self.kind,
+            "lengths": lengths,
+            "depths": depths,
+            "accuracy": [[None if np.isnan(v) else round(float(v), 4) for v in row] for row in acc],
+            "mean": float(np.nanmean(acc)) if np.isfinite(acc).any() else None,
+            "cases": len(self.rows),
+        }
+
+    def write_jsonl(self, path: str | Path) -> None:
+        from lwm.base.files import write_jsonl
+
+        write_jsonl(path, [*self.rows, {"summary": self.summary()}])
+
+    def table(self) -> str:
+        """Accuracy per depth (rows) and length (columns), as text."""
+        lengths, depths, acc = self.grid()
+        unit = "frames" if self.kind == "video" else "tokens"
+        head = f"{'depth':>6} | " + " ".join(f"{n:>8}" for n in lengths) + f"   ({unit})"
+        lines = [head, "-" * len(head)]
+        for d, row in zip(depths, acc, strict=True):
+            cells = " ".join("       -" if np.isnan(v) else f"{100 * v:7.0f}%" for v in row)
+            lines.append(f"{100 * d:5.0f}% | {cells}")
+        return "\n".join(lines)
+
+    def heatmap(self, path: str | Path, *, title: str) -> None:
+        """LWM's layout: length on x, depth on y, accuracy as colour (red 0 to green 1)."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.colors import LinearSegmentedColormap
+
+        from lwm.base.files import atomic_path
+
+        lengths, depths, acc = self.grid()
+        cmap = LinearSegmentedColormap.from_list("needle", ["#F0496E", "#EBB839", "#0CD79F"])
+        width = max(5.5, 1.6 + 0.9 * len(lengths))
+        fig, ax = plt.subplots(figsize=(width, 1.8 + 0.45 * len(depths)))
+        image = ax.imshow(acc, cmap=cmap, vmin=0, vmax=1, aspect="auto")
+        for i in range(len(depths)):
+            for j in range(len(lengths)):
+                if not np.isnan(acc[i, j]):
+                    ax.text(j, i, f"{100 * acc[i, j]:.0f}", ha="center", va="center", fontsize=8)
+        ax.set_xticks(range(len(lengths)), [str(n) for n in lengths], rotation=45)
+        ax.set_yticks(range(len(depths)), [f"{100 * d:.0f}%" for d in depths])
+        ax.set_xlabel("frames" if self.kind == "video" else "context length (tokens)")
+        ax.set_ylabel("needle depth")
+        lines = [textwrap.fill(line, width=int(11 * width)) for line in title.splitlines()]
+        ax.set_title("\n".join(lines), fontsize=8)
+        fig.colorbar(image, ax=ax, label="accuracy")
+        fig.tight_layout()
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, dpi=120)
+        plt.close(fig)
+
+
+def evaluate_needles(qa: Any, cases: Iterable[NeedleCase], log=None) -> NeedleReport:
+    """Answer every case's prompts with ``qa`` (a `lwm.vision_qa.VideoQA`), a batch of
+    ``qa.batch_size`` prompts at a time, and score them."""
+    log = log or (lambda _: None)
+    rows: list[dict[str, Any]] = []
+    kind = ""
+    batch: list[tuple[NeedleCase, int]] = []
+
+    def flush() -> None:
+        answers = qa.answer_prompts([c.prompts[k] for c, k in batch])
+        for (case, k), answer in zip(batch, answers, strict=True):
+            rows.append(
+                {
+                    "kind": case.kind,
+                    "length": case.length,
+                    "depth": case.depth,
+                    "sample": case.sample,
+                    "question": case.questions[k],
+                    "expected": case.expected[k],
+                    "answer": answer.text,
+                    "cut": answer.cut,
+                    "score": float(_right(case.kind, answer.text, case.expected[k])),
+                    **case.info,
+                }
+            )
+        batch.clear()
+
+    for case in cases:
+        kind = case.kind
+        if batch and batch[0][0].length != case.length:
+            flush()  # one cell length per batch: short prompts are not padded to long ones
+        for k in range(len(case.prompts)):
+            batch.append((case, k))
+            if len(batch) == qa.batch_size:
+                flush()
+        log(
+            f"{case.kind} needle: length {case.length}, depth {case.depth:.2f}, sample {case.sample}"
+        )
+    if batch:
+        flush()
+    return NeedleReport(kind, rows)

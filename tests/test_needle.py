@@ -1,0 +1,191 @@
+"""Needle-in-a-haystack evaluations (`lwm.needle`, `lwm eval needle`): needles at exact depths,
+substring and multi-needle scoring, the video needle's frames, and the command's outputs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from data.tokens import TextCodec
+from lwm.needle import (
+    NEEDLE,
+    Haystack,
+    NeedleCase,
+    evaluate_needles,
+    needle_video,
+    text_cases,
+    video_cases,
+)
+from lwm.qa_eval import Answer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def codec() -> TextCodec:
+    return TextCodec.load()
+
+
+def find(haystack: list[int], needle: list[int]) -> list[int]:
+    n = len(needle)
+    return [i for i in range(len(haystack) - n + 1) if haystack[i : i + n] == needle]
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.3, 0.5, 1.0])
+def test_a_needle_sits_at_its_depth_between_whole_sentences(codec, depth):
+    hay = Haystack.from_file(codec)
+    needle = codec.encode(" " + NEEDLE.format(city="Oslo", number="1234567"))
+    tokens, (actual,) = hay.build(3000, [(depth, needle)], start=5)
+    (at,) = find(tokens, needle)  # exactly once
+    rest = tokens[:at] + tokens[at + len(needle) :]
+    longest = max(len(s) for s in hay.sentences)
+    assert 3000 - longest <= len(tokens) <= 3000
+    assert actual == pytest.approx(at / len(rest))
+    assert abs(at - depth * len(rest)) <= longest  # the nearest sentence boundary
+    if depth == 0.0:
+        assert at == 0
+    if depth == 1.0:
+        assert at + len(needle) == len(tokens)
+    # the haystack around it is whole sentences, starting at sentence 5, in order
+    assert rest[: len(hay.sentences[5])] == hay.sentences[5]
+
+
+def test_text_cases_hold_the_needle_and_ask_for_it(codec):
+    (case,) = text_cases(codec, lengths=[500], depths=[0.5], samples=1, seed=3)
+    (tokens, vision), (number,), (question,) = case.prompts[0], case.expected, case.questions
+    assert not vision.any() and len(tokens) <= 500 and case.info["prompt_tokens"] == len(tokens)
+    text = codec.tokenizer.decode(tokens.tolist(), skip_special_tokens=True)
+    city = question.split("magic ")[1].split(" number")[0]
+    assert NEEDLE.format(city=city, number=number) in text
+    assert len(number) == 7 and text.endswith(f"USER: {question} ASSISTANT:")
+    assert tokens[0] == codec.bos_id
+
+
+class Oracle:
+    """Answers from the prompt itself: the number of the city asked, if it is in the first
+    ``reach`` share of the prompt (a model whose retrieval fails past some depth)."""
+
+    batch_size = 3
+
+    def __init__(self, codec: TextCodec, reach: float = 1.0, only_first: bool = False):
+        self.codec, self.reach, self.only_first = codec, reach, only_first
+        self.asked: set[str] = set()
+
+    def answer_prompts(self, prompts):
+        out = []
+        for tokens, _ in prompts:
+            text = self.codec.tokenizer.decode(tokens.tolist(), skip_special_tokens=True)
+            city = text.rsplit("special magic ", 1)[1].split(" number")[0]
+            seen = text[: int(self.reach * len(text))]
+            key = f"The special magic {city} number is: "
+            found = key in seen and not (self.only_first and city in self.asked)
+            self.asked.add(city)
+            number = seen.split(key)[1][:7] if found else "unknown"
+            out.append(Answer(f"It is {number}.", cut=False))
+        return out
+
+
+def test_substring_scoring_fills_the_grid_by_depth(codec):
+    cases = text_cases(codec, lengths=[300, 600], depths=[0.0, 0.5, 1.0], samples=2)
+    report = evaluate_needles(Oracle(codec, reach=0.7), cases)
+    lengths, depths, acc = report.grid()
+    assert lengths == [300, 600] and depths == [0.0, 0.5, 1.0]
+    np.testing.assert_array_equal(acc, [[1, 1], [1, 1], [0, 0]])  # found up to 70% deep
+    assert len(report.rows) == 12 and report.summary()["mean"] == pytest.approx(2 / 3)
+    assert "100%" in report.table() and "0%" in report.table()
+
+
+def test_multi_needle_scores_the_share_of_asked_needles_found(codec):
+    cases = list(text_cases(codec, lengths=[800], depths=[0.25], needles=4, asked=2, samples=3))
+    for case in cases:
+        assert len(case.prompts) == 2 and len(set(case.expected)) == 2
+        text = codec.tokenizer.decode(case.prompts[0][0].tolist(), skip_special_tokens=True)
+        assert text.count("The special magic") == 4  # four needles, two asked
+    # An oracle that answers only the first question about each city: half of each sample.
+    oracle = Oracle(codec)
+    oracle.batch_size = 2  # a batch is one case's two prompts
+    oracle.answer_prompts = _first_of_each_case(oracle.answer_prompts)
+    report = evaluate_needles(oracle, cases)
+    assert report.kind == "multi" and report.grid()[2][0, 0] == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="asked <= needles"):
+        next(text_cases(codec, lengths=[800], depths=[0.0], needles=2, asked=3))
+
+
+def _first_of_each_case(answer):
+    def first_only(prompts):
+        answers = answer(prompts)
+        return [a if i % 2 == 0 else Answer("no idea", cut=False) for i, a in enumerate(answers)]
+
+    return first_only
+
+
+def test_a_video_needle_is_in_the_frames_asked_and_in_no_other_shape():
+    from data.synthetic import PALETTE
+
+    frames, expected, where = needle_video(
+        12, 0.5, seed=2, size=32, clip_frames=4, needle_frames=2, max_objects=2
+    )
+    assert frames.shape == (12, 32, 32, 3) and where == range(5, 7)  # round(0.5 * 10)
+    article, colour, shape = expected.split()
+    assert article in ("a", "an") and shape in ("circle", "square", "triangle")
+    has = [(frames[t] == PALETTE[colour]).all(-1).sum() for t in range(12)]
+    assert all(has[t] > 0 for t in where) and all(has[t] == 0 for t in range(12) if t not in where)
+    first, *_ = needle_video(12, 0.0, seed=2, size=32, clip_frames=4, max_objects=2)
+    last, _, at_end = needle_video(12, 1.0, seed=2, size=32, clip_frames=4, max_objects=2)
+    assert at_end == range(11, 12) and first.shape == last.shape
+
+
+def test_video_cases_prompt_with_every_frame(codec):
+    class Encoder:  # codes of the right shape; what they are does not matter here
+        def encode(self, frames):
+            return np.zeros((*frames.shape[:2], 2, 2), np.int32)
+
+    (case,) = video_cases(codec, Encoder(), lengths=[8], depths=[0.25], size=32, max_objects=1)
+    tokens, vision = case.prompts[0]
+    assert vision.sum() == 8 * (4 + 1) and case.questions == ["What appeared briefly?"]
+    assert case.info["needle_frames"] == [2, 3]  # round(0.25 * 7)
+
+    class Says:
+        batch_size = 4
+
+        def __init__(self, text):
+            self.text = text
+
+        def answer_prompts(self, prompts):
+            return [Answer(self.text) for _ in prompts]
+
+    right = NeedleCase("video", 8, 0.25, 0, case.prompts, case.expected, case.questions)
+    assert evaluate_needles(Says(case.expected[0].upper() + "."), [right]).rows[0]["score"] == 1
+    assert evaluate_needles(Says("nothing"), [right]).rows[0]["score"] == 0
+
+
+def test_eval_needle_command_writes_jsonl_and_heatmap(tmp_path, capsys):
+    from lwm.cli import main as lwm
+
+    run = tmp_path / "run"
+    args = ["--config", str(ROOT / "configs/tiny.yaml"), "train.steps=1", "train.progress=false"]
+    args += [f"train.output_dir={run}", "train.batch_size=8", "train.seq_len=64"]
+    args += ["train.peak_flops=1e9"]
+    assert lwm(["train", *args]) == 0
+    out = tmp_path / "needle"
+    needle = ["eval", "needle", "--model", f"run:{run}", "--lengths", "96,120", "--batch-size", "8"]
+    needle += ["--depths", "0,1", "--max-new-tokens", "4", "--out", str(out)]
+    assert lwm([*needle, "--kind", "multi", "--needles", "3", "--asked", "2"]) == 0
+    captured = capsys.readouterr()
+    summary = json.loads(captured.out.strip().splitlines()[-1])
+    assert summary["kind"] == "multi" and summary["lengths"] == [96, 120]
+    assert summary["depths"] == [0.0, 1.0] and summary["cases"] == 8
+    rows = [json.loads(x) for x in (out / "needle-multi.jsonl").read_text().splitlines()]
+    assert len(rows) == 9 and rows[-1] == {"summary": summary}
+    assert all(r["prompt_tokens"] <= r["length"] for r in rows[:-1])
+    png = (out / "needle-multi.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and "wrote" in captured.err
+    # bad input: one line, exit 2
+    assert lwm([*needle, "--depths", "0,1.5"]) == 2
+    assert capsys.readouterr().err.strip() == "lwm eval: error: depth 1.5 is not in [0, 1]"
+    assert lwm([*needle, "--haystack", str(tmp_path / "none.txt")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"lwm eval: error: haystack file '{tmp_path / 'none.txt'}' not found"
