@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from data.batches import BATCH_FIELDS
 from lwm.base.mesh import logical_to_spec
+from lwm.base.schedule import warmup_schedule
 from lwm.config import ModelConfig, TrainConfig
 from lwm.loss import Targets, loss_from_sums, loss_sums, target_counts
 from lwm.model import LWMModel, abstract_params
@@ -34,23 +35,15 @@ def make_optimizer(
     b2: float = 0.95,
     clip_norm: float | None = 1.0,
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """AdamW with linear warmup then cosine decay (or constant); norms are not decayed."""
-    if schedule not in ("cosine", "constant"):
-        raise ValueError(f"unknown learning-rate schedule '{schedule}'; choose cosine or constant")
-    decay_steps = max(total_steps - warmup_steps, 1)
-    if schedule == "cosine":
-        after = optax.cosine_decay_schedule(
-            learning_rate, decay_steps, alpha=end_learning_rate / learning_rate
-        )
-    else:
-        after = optax.constant_schedule(learning_rate)
-    if warmup_steps > 0:
-        warmup = optax.linear_schedule(
-            learning_rate / warmup_steps, learning_rate, warmup_steps - 1
-        )
-        lr = optax.join_schedules([warmup, after], [warmup_steps])
-    else:
-        lr = after
+    """AdamW with linear warmup then cosine decay (or constant), the schedule of
+    `lwm.base.schedule`; norms are not decayed."""
+    lr = warmup_schedule(
+        learning_rate,
+        warmup_steps=warmup_steps,
+        total_steps=total_steps,
+        kind=schedule,
+        end_ratio=end_learning_rate / learning_rate,
+    )
 
     def decay_mask(params):
         return jax.tree.map(lambda x: x.ndim >= 2, params)

@@ -152,3 +152,27 @@ def test_vision_codes_restrict_the_vision_softmax_to_the_codebook():
     picked = np.take_along_axis(logits, index[..., None], axis=-1)[..., 0]
     expected = ((logz - picked) * w).sum() / w.sum()
     assert abs(float(metrics["vision_loss"]) - expected) <= 1e-5 * expected
+
+
+def test_one_schedule_warms_up_linearly_then_decays_by_cosine():
+    import math
+
+    from lwm.base.schedule import warmup_schedule
+    from vqgan.config import TrainConfig as VQGANTrainConfig
+    from vqgan.train import _schedule as vqgan_schedule
+
+    lr = warmup_schedule(1.0, warmup_steps=4, total_steps=14, end_ratio=0.1)
+    np.testing.assert_allclose([float(lr(i)) for i in range(5)], [0.25, 0.5, 0.75, 1.0, 1.0])
+    half = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 5 / 10))  # 5 of the 10 decay steps
+    assert float(lr(9)) == pytest.approx(half) and float(lr(14)) == pytest.approx(0.1)
+    flat = warmup_schedule(2.0, warmup_steps=2, total_steps=9, kind="constant")
+    assert [float(flat(i)) for i in (0, 1, 5, 50)] == [1.0, 2.0, 2.0, 2.0]
+    # the language model's optimizer and the VQGAN's follow this one schedule
+    _, lm = make_optimizer(1.0, warmup_steps=4, total_steps=14, end_learning_rate=0.1)
+    vq = vqgan_schedule(
+        VQGANTrainConfig(steps=14, warmup_steps=4, schedule="cosine", end_learning_rate_ratio=0.1),
+        1.0,
+    )
+    for step in range(16):
+        assert float(lm(step)) == pytest.approx(float(lr(step)))
+        assert float(vq(step)) == pytest.approx(float(lr(step)))

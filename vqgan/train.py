@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 from lwm.base.media import write_png
 from lwm.base.mesh import BATCH_AXES, MeshError, batch_devices
 from lwm.base.metrics import MetricsWriter
+from lwm.base.schedule import warmup_schedule
 from vqgan.checkpoint import Checkpointer
 from vqgan.config import (
     LossConfig,
@@ -83,11 +84,13 @@ class TrainState:
 
 
 def _schedule(t: TrainConfig, peak: float) -> optax.Schedule:
-    if t.schedule == "cosine":
-        decay_steps = max(t.steps, t.warmup_steps + 1)
-        end = peak * t.end_learning_rate_ratio
-        return optax.warmup_cosine_decay_schedule(0.0, peak, t.warmup_steps, decay_steps, end)
-    return optax.warmup_constant_schedule(0.0 if t.warmup_steps else peak, peak, t.warmup_steps)
+    return warmup_schedule(
+        peak,
+        warmup_steps=t.warmup_steps,
+        total_steps=t.steps,
+        kind=t.schedule,
+        end_ratio=t.end_learning_rate_ratio,
+    )
 
 
 @functools.cache
