@@ -106,6 +106,83 @@ def prefill(
     return cache, last
 
 
+def prefill_chunked(
+    model: LWMModel,
+    tokens: jax.Array,
+    vision_mask: jax.Array,
+    prompt_len: jax.Array,
+    max_len: int,
+    chunk: int,
+) -> tuple[KVCache, jax.Array]:
+    """`prefill` in chunks of ``chunk`` tokens (``tokens.shape[1]`` a multiple of it): each
+    chunk is written into the cache and attends the cache so far (`extend`), so the
+    activations of one prefill step are bounded by the chunk, not by the prompt. Same results
+    as `prefill` (to float rounding)."""
+    b, p = tokens.shape
+    cfg = model.cfg
+    shape = (cfg.num_layers, b, max_len, cfg.num_kv_heads, cfg.head_dim)
+    dtype = model.embed(tokens[:, :1], vision_mask[:, :1]).dtype
+    cache = KVCache(*(_cache_sharding(model, jnp.zeros(shape, dtype)) for _ in range(2)))
+
+    def body(i, carry):
+        cache, last = carry
+        start = i * chunk
+        piece = jax.lax.dynamic_slice_in_dim(tokens, start, chunk, axis=1)
+        vision = jax.lax.dynamic_slice_in_dim(vision_mask, start, chunk, axis=1)
+        cache, hidden = extend(model, cache, piece, vision, start)
+        at = prompt_len - 1 - start  # each row's last prompt token, if it is in this chunk
+        inside = (at >= 0) & (at < chunk)
+        h = jnp.take_along_axis(hidden, jnp.clip(at, 0, chunk - 1)[:, None, None], axis=1)
+        return cache, jnp.where(inside[:, None], h[:, 0], last)
+
+    last = jnp.zeros((b, cfg.hidden_size), dtype)
+    return jax.lax.fori_loop(0, p // chunk, body, (cache, last))
+
+
+def extend(
+    model: LWMModel,
+    cache: KVCache,
+    tokens: jax.Array,
+    vision_mask: jax.Array,
+    start: jax.Array | int,
+) -> tuple[KVCache, jax.Array]:
+    """Feed ``tokens [batch, n]`` at positions ``start .. start + n - 1`` (the same for every
+    row): their keys and values go into those cache slots (a gather of the chunk and a masked
+    select, so no shard of the cache moves) and they attend the cache up to themselves.
+    Returns the cache and their hidden states ``[batch, n, hidden]``."""
+    b, n = tokens.shape
+    max_len = cache.k.shape[2]
+    slot = jnp.arange(max_len, dtype=jnp.int32)
+    start = jnp.asarray(start, jnp.int32)
+    positions = jnp.broadcast_to(start + jnp.arange(n, dtype=jnp.int32), (b, n))
+    write = ((slot >= start) & (slot < start + n))[None, :, None, None]
+    source = jnp.clip(slot - start, 0, n - 1)  # which new token each slot would take
+
+    def attend(q, k, v, layer_cache):
+        k_old, v_old = layer_cache
+        k_cache = jnp.where(write, jnp.take(k.astype(k_old.dtype), source, axis=1), k_old)
+        v_cache = jnp.where(write, jnp.take(v.astype(v_old.dtype), source, axis=1), v_old)
+        if model.mesh is not None:
+            o = ring_decode_attention(
+                q, k_cache, v_cache, mesh=model.mesh, cache_len=start + n, q_positions=positions
+            )
+        else:
+            o = decode_attention_local(
+                q,
+                k_cache,
+                v_cache,
+                cache_len=jnp.broadcast_to(start + n, (b,)),
+                q_positions=positions,
+                kv_positions=jnp.broadcast_to(slot, (b, max_len)),
+                axis_name=None,
+            )
+        return o, (k_cache, v_cache)
+
+    x = model.embed(tokens, vision_mask)
+    hidden, (ks, vs) = model.run_layers(x, positions, attend, layers_in=tuple(cache))
+    return KVCache(_cache_sharding(model, ks), _cache_sharding(model, vs)), hidden
+
+
 def decode_step(
     model: LWMModel,
     cache: KVCache,
@@ -172,6 +249,7 @@ def _next_logits(model: LWMModel, hidden: jax.Array, mode: str) -> jax.Array:
         "tokens_per_frame",
         "cfg_scale",
         "pad_id",
+        "prefill_chunk",
     ),
 )
 def _generate(
@@ -189,13 +267,19 @@ def _generate(
     tokens_per_frame,
     cfg_scale,
     pad_id,
+    prefill_chunk=None,
 ):
     model = nnx.merge(graphdef, state)
     rows = tokens.shape[0]
     b = rows // 2 if cfg_scale is not None else rows
     sp = 1 if model.mesh is None else model.mesh.shape["sp"]
     max_len = _round_up(tokens.shape[1] + max_new_tokens, sp)
-    cache, hidden = prefill(model, tokens, vision_mask, prompt_len, max_len)
+    if prefill_chunk:
+        cache, hidden = prefill_chunked(
+            model, tokens, vision_mask, prompt_len, max_len, prefill_chunk
+        )
+    else:
+        cache, hidden = prefill(model, tokens, vision_mask, prompt_len, max_len)
     stops = jnp.asarray(stop_tokens or (-1,), jnp.int32)
     frame = tokens_per_frame + 1
 
@@ -258,12 +342,15 @@ def generate(
     uncond_vision_mask: jax.Array | None = None,
     uncond_len: jax.Array | None = None,
     pad_id: int = 0,
+    prefill_chunk: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Generate ``[batch, max_new_tokens]`` tokens after right-padded prompts.
 
     Returns the tokens (``pad_id`` after a row stops) and each row's length (including its
     stop token). In vision mode ``num_frames`` sets ``max_new_tokens`` to
     ``num_frames * (tokens_per_frame + 1)``. ``cfg_scale`` needs the unconditional prompts.
+    ``prefill_chunk``: prefill the prompts in chunks of this many tokens (`prefill_chunked`),
+    so the longest prompt is bounded by the cache, not by one prefill's activations.
     """
     tokens = jnp.asarray(tokens, jnp.int32)
     vision_mask = jnp.asarray(vision_mask, bool)
@@ -290,6 +377,8 @@ def generate(
         prompt_len = jnp.concatenate([prompt_len, uncond_len])
     sp = 1 if model.mesh is None else model.mesh.shape["sp"]
     width = _round_up(tokens.shape[1], sp)  # ring prefill needs whole shards
+    if prefill_chunk:
+        width = _round_up(tokens.shape[1], prefill_chunk)
     tokens = jnp.pad(tokens, [(0, 0), (0, width - tokens.shape[1])], constant_values=pad_id)
     vision_mask = jnp.pad(vision_mask, [(0, 0), (0, width - vision_mask.shape[1])])
     graphdef, state = nnx.split(model)
@@ -307,4 +396,5 @@ def generate(
         tokens_per_frame=tokens_per_frame,
         cfg_scale=None if cfg_scale is None else float(cfg_scale),
         pad_id=pad_id,
+        prefill_chunk=int(prefill_chunk) if prefill_chunk else None,
     )

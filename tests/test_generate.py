@@ -203,3 +203,29 @@ def test_bad_arguments_are_clear_errors():
         generate(
             model, tokens, vision, lens, key=jax.random.key(0), max_new_tokens=2, cfg_scale=2.0
         )
+
+
+@pytest.mark.parametrize("mesh_shape", ["1,1,4,2"])  # the cache sharded over sp and tp
+def test_chunked_prefill_equals_one_prefill(mesh_shape):
+    """The prompt prefilled in chunks (each attending the cache so far) gives the cache and the
+    last hidden state of one prefill (1e-5), and the same greedy tokens."""
+    from lwm.generate import prefill, prefill_chunked
+
+    mesh = None if mesh_shape is None else make_mesh(mesh_shape)
+    model = create_model(debug_cfg(attention="ring" if mesh else "blockwise"), mesh=mesh)
+    tokens, vision, lens = prompts()
+    width = 24  # three chunks of 8
+    tokens = np.pad(tokens, [(0, 0), (0, width - tokens.shape[1])])
+    vision = np.pad(vision, [(0, 0), (0, width - vision.shape[1])])
+    args = (jnp.asarray(tokens), jnp.asarray(vision), jnp.asarray(lens), 32)
+    one = jax.jit(lambda *a: prefill(model, *a[:3], 32))(*args[:3])
+    chunked = jax.jit(lambda *a: prefill_chunked(model, *a[:3], 32, 8))(*args[:3])
+    np.testing.assert_allclose(np.asarray(chunked[1]), np.asarray(one[1]), atol=1e-5, rtol=1e-5)
+    for a, b in zip(chunked[0], one[0], strict=True):  # keys, values of every prompt slot
+        np.testing.assert_allclose(
+            np.asarray(a)[:, :, :width], np.asarray(b)[:, :, :width], atol=1e-5
+        )
+    key = jax.random.key(0)
+    out, _ = generate(model, tokens, vision, lens, key=key, max_new_tokens=5)
+    got, _ = generate(model, tokens, vision, lens, key=key, max_new_tokens=5, prefill_chunk=8)
+    assert np.asarray(got).tolist() == np.asarray(out).tolist()
