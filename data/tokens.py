@@ -163,6 +163,12 @@ def _begin(codec: TextCodec, codes: np.ndarray | None, train_vision: bool) -> Ex
     return ex
 
 
+def video_prompt_streams(codec: TextCodec, codes: np.ndarray | None):
+    """``(tokens, vision_mask)`` of the start of a QA record: BOS, then the video (if any)."""
+    arrays = _begin(codec, codes, train_vision=False).arrays()
+    return arrays["tokens"], arrays["vision_mask"].astype(bool)
+
+
 def qa_prompt_streams(codec: TextCodec, codes: np.ndarray, question: str):
     """``(tokens, vision_mask)`` of the prompt for one question about one video: a QA record
     (`build_example`) up to and including its first ``ASSISTANT:``, where the answer follows."""

@@ -238,6 +238,69 @@ def _next_logits(model: LWMModel, hidden: jax.Array, mode: str) -> jax.Array:
     return (image if vision else text)[:, 0]
 
 
+def _decode_loop(
+    model,
+    cache,
+    hidden,
+    prompt_len,
+    key,
+    *,
+    b,
+    max_new_tokens,
+    mode,
+    sampling,
+    stop_tokens,
+    tokens_per_frame,
+    cfg_scale,
+    pad_id,
+):
+    """Sample up to ``max_new_tokens`` after ``hidden`` (the state of the token at
+    ``prompt_len - 1``), feeding each into the cache; returns the tokens, each row's length and
+    the cache (which then holds every fed token)."""
+    stops = jnp.asarray(stop_tokens or (-1,), jnp.int32)
+    frame = tokens_per_frame + 1
+
+    def cond(s: _Loop):
+        return (s.step < max_new_tokens) & ~jnp.all(s.done)
+
+    def body(s: _Loop):
+        key, sub = jax.random.split(s.key)
+        logits = _next_logits(model, s.hidden, mode)
+        if cfg_scale is not None:
+            cond_l, uncond_l = logits[:b], logits[b:]
+            logits = uncond_l + cfg_scale * (cond_l - uncond_l)
+        if mode == "vision":
+            is_marker = (s.step + 1) % frame == 0
+            is_last = s.step + 1 == max_new_tokens
+            marker = jnp.where(is_last, EOV_ID, EOF_ID)
+            code_logits = logits.at[:, model.cfg.vision_codes or NUM_CODES :].set(-jnp.inf)
+            token = jnp.where(is_marker, marker, sample_logits(code_logits, sub, sampling))
+        else:
+            token = sample_logits(logits, sub, sampling)
+        token = jnp.where(s.done, pad_id, token)
+        out = s.out.at[:, s.step].set(token)
+        done = s.done | jnp.isin(token, stops)
+        feed = jnp.concatenate([token, token]) if cfg_scale is not None else token
+        is_vision = jnp.full(feed.shape, mode == "vision")
+        cache, hidden = decode_step(model, s.cache, feed, is_vision, prompt_len + s.step)
+        return _Loop(s.step + 1, cache, hidden, out, done, key)
+
+    init = _Loop(
+        step=jnp.int32(0),
+        cache=cache,
+        hidden=hidden,
+        out=jnp.full((b, max_new_tokens), pad_id, jnp.int32),
+        done=jnp.zeros((b,), bool),
+        key=key,
+    )
+    final = jax.lax.while_loop(cond, body, init)
+    stop_at = jnp.where(
+        jnp.isin(final.out, stops), jnp.arange(max_new_tokens)[None], max_new_tokens
+    ).min(axis=1)
+    lengths = jnp.minimum(stop_at + 1, final.step)
+    return final.out, lengths, final.cache
+
+
 @partial(
     jax.jit,
     static_argnames=(
@@ -280,48 +343,22 @@ def _generate(
         )
     else:
         cache, hidden = prefill(model, tokens, vision_mask, prompt_len, max_len)
-    stops = jnp.asarray(stop_tokens or (-1,), jnp.int32)
-    frame = tokens_per_frame + 1
-
-    def cond(s: _Loop):
-        return (s.step < max_new_tokens) & ~jnp.all(s.done)
-
-    def body(s: _Loop):
-        key, sub = jax.random.split(s.key)
-        logits = _next_logits(model, s.hidden, mode)
-        if cfg_scale is not None:
-            cond_l, uncond_l = logits[:b], logits[b:]
-            logits = uncond_l + cfg_scale * (cond_l - uncond_l)
-        if mode == "vision":
-            is_marker = (s.step + 1) % frame == 0
-            is_last = s.step + 1 == max_new_tokens
-            marker = jnp.where(is_last, EOV_ID, EOF_ID)
-            code_logits = logits.at[:, model.cfg.vision_codes or NUM_CODES :].set(-jnp.inf)
-            token = jnp.where(is_marker, marker, sample_logits(code_logits, sub, sampling))
-        else:
-            token = sample_logits(logits, sub, sampling)
-        token = jnp.where(s.done, pad_id, token)
-        out = s.out.at[:, s.step].set(token)
-        done = s.done | jnp.isin(token, stops)
-        feed = jnp.concatenate([token, token]) if cfg_scale is not None else token
-        is_vision = jnp.full(feed.shape, mode == "vision")
-        cache, hidden = decode_step(model, s.cache, feed, is_vision, prompt_len + s.step)
-        return _Loop(s.step + 1, cache, hidden, out, done, key)
-
-    init = _Loop(
-        step=jnp.int32(0),
-        cache=cache,
-        hidden=hidden,
-        out=jnp.full((b, max_new_tokens), pad_id, jnp.int32),
-        done=jnp.zeros((b,), bool),
-        key=key,
+    out, lengths, _ = _decode_loop(
+        model,
+        cache,
+        hidden,
+        prompt_len,
+        key,
+        b=b,
+        max_new_tokens=max_new_tokens,
+        mode=mode,
+        sampling=sampling,
+        stop_tokens=stop_tokens,
+        tokens_per_frame=tokens_per_frame,
+        cfg_scale=cfg_scale,
+        pad_id=pad_id,
     )
-    final = jax.lax.while_loop(cond, body, init)
-    stop_at = jnp.where(
-        jnp.isin(final.out, stops), jnp.arange(max_new_tokens)[None], max_new_tokens
-    ).min(axis=1)
-    lengths = jnp.minimum(stop_at + 1, final.step)
-    return final.out, lengths
+    return out, lengths
 
 
 def generate(

@@ -63,11 +63,13 @@ class VideoQA:
         batch_size: int = 32,
         pad_to: int = 128,
         seed: int = 0,
+        prefill_chunk: int | None = None,
     ):
         self.model, self.codec, self.vqgan = model, codec, vqgan
         self.max_frames, self.fps = max_frames, fps
         self.max_new_tokens, self.sampling = max_new_tokens, sampling
         self.batch_size, self.pad_to, self.seed = batch_size, pad_to, seed
+        self.prefill_chunk = prefill_chunk
         self._codes: dict[str, np.ndarray] = {}
 
     def codes(self, video: str | Path) -> np.ndarray:
@@ -108,6 +110,7 @@ class VideoQA:
             max_new_tokens=self.max_new_tokens,
             sampling=self.sampling,
             stop_tokens=stops,
+            prefill_chunk=self.prefill_chunk,
         )
         out, n = np.asarray(out), np.asarray(n)
         answers = []

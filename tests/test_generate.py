@@ -229,3 +229,40 @@ def test_chunked_prefill_equals_one_prefill(mesh_shape):
     out, _ = generate(model, tokens, vision, lens, key=key, max_new_tokens=5)
     got, _ = generate(model, tokens, vision, lens, key=key, max_new_tokens=5, prefill_chunk=8)
     assert np.asarray(got).tolist() == np.asarray(out).tolist()
+
+
+def test_a_second_chat_turn_reuses_the_cache():
+    """Two turns of a conversation about a video, fed in chunks into one cache sharded over sp:
+    the second answer equals generation from a fresh prompt that holds both turns."""
+    from data.tokens import TextCodec, qa_prompt, video_prompt_streams
+    from lwm.chat import ChatSession, ContextFullError
+
+    codec = TextCodec.load()
+    model = create_model(
+        debug_cfg(attention="ring", text_vocab_size=codec.vocab_size), mesh=make_mesh("1,1,4,2")
+    )
+    codes = np.random.default_rng(0).integers(0, 512, (2, 2, 2))
+    chat = ChatSession(model, codec, codes, max_context=128, prefill_chunk=16, max_new_tokens=5)
+    chat.ask("What colour is the square?")
+    before = chat.history + list(chat.pending[0])  # the first turn, closed as training does
+    second = chat.ask("Which way does it move?")
+    prompt = before + codec.encode(qa_prompt("Which way does it move?"))
+    _, video_vision = video_prompt_streams(codec, codes)
+    vision = np.zeros((1, len(prompt)), bool)
+    vision[0, : len(video_vision)] = video_vision
+    stops = (codec.eos_id,)
+    out, n = generate(
+        model,
+        np.asarray([prompt], np.int32),
+        vision,
+        np.asarray([len(prompt)], np.int32),
+        key=jax.random.key(0),
+        max_new_tokens=5,
+        stop_tokens=stops,
+    )
+    fresh = np.asarray(out)[0, : int(n[0])].tolist()
+    assert chat.history[len(prompt) :] == fresh
+    ids = [x for x in fresh if x not in stops]
+    assert second.text == codec.tokenizer.decode(ids, skip_special_tokens=True).strip()
+    with pytest.raises(ContextFullError, match="but the context holds 128"):
+        chat.ask("Tell me everything. " * 20)

@@ -24,7 +24,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     (
         "training, inference and evaluation",
         ("lwm.train", "lwm.train_step", "lwm.generate", "lwm.vision_qa", "lwm.qa_eval")
-        + ("lwm.needle",),
+        + ("lwm.needle", "lwm.chat"),
     ),
     ("commands", ("lwm.commands", "lwm.cli", "lwm.__main__")),
 ]

@@ -3,7 +3,6 @@ substring and multi-needle scoring, the video needle's frames, and the command's
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -160,32 +159,3 @@ def test_video_cases_prompt_with_every_frame(codec):
     right = NeedleCase("video", 8, 0.25, 0, case.prompts, case.expected, case.questions)
     assert evaluate_needles(Says(case.expected[0].upper() + "."), [right]).rows[0]["score"] == 1
     assert evaluate_needles(Says("nothing"), [right]).rows[0]["score"] == 0
-
-
-def test_eval_needle_command_writes_jsonl_and_heatmap(tmp_path, capsys):
-    from lwm.cli import main as lwm
-
-    run = tmp_path / "run"
-    args = ["--config", str(ROOT / "configs/tiny.yaml"), "train.steps=1", "train.progress=false"]
-    args += [f"train.output_dir={run}", "train.batch_size=8", "train.seq_len=64"]
-    args += ["train.peak_flops=1e9"]
-    assert lwm(["train", *args]) == 0
-    out = tmp_path / "needle"
-    needle = ["eval", "needle", "--model", f"run:{run}", "--lengths", "96,120", "--batch-size", "8"]
-    needle += ["--depths", "0,1", "--max-new-tokens", "4", "--out", str(out)]
-    assert lwm([*needle, "--kind", "multi", "--needles", "3", "--asked", "2"]) == 0
-    captured = capsys.readouterr()
-    summary = json.loads(captured.out.strip().splitlines()[-1])
-    assert summary["kind"] == "multi" and summary["lengths"] == [96, 120]
-    assert summary["depths"] == [0.0, 1.0] and summary["cases"] == 8
-    rows = [json.loads(x) for x in (out / "needle-multi.jsonl").read_text().splitlines()]
-    assert len(rows) == 9 and rows[-1] == {"summary": summary}
-    assert all(r["prompt_tokens"] <= r["length"] for r in rows[:-1])
-    png = (out / "needle-multi.png").read_bytes()
-    assert png[:8] == b"\x89PNG\r\n\x1a\n" and "wrote" in captured.err
-    # bad input: one line, exit 2
-    assert lwm([*needle, "--depths", "0,1.5"]) == 2
-    assert capsys.readouterr().err.strip() == "lwm eval: error: depth 1.5 is not in [0, 1]"
-    assert lwm([*needle, "--haystack", str(tmp_path / "none.txt")]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1] == f"lwm eval: error: haystack file '{tmp_path / 'none.txt'}' not found"

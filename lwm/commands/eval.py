@@ -53,6 +53,11 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--batch-size", type=positive_int, default=32, help="prompts per generate call")
     p.add_argument("--mesh", help="dp,fsdp,sp,tp to shard the model over (default: 1 device)")
+    p.add_argument(
+        "--prefill-chunk",
+        type=positive_int,
+        help="prefill prompts in chunks of N tokens (bounds memory by the cache, not the prompt)",
+    )
     add_cpu_devices(p)
 
 
@@ -139,6 +144,7 @@ def load_video_qa(args: argparse.Namespace, log, *, vqgan: bool = True):
         max_new_tokens=args.max_new_tokens,
         sampling=Sampling(temperature=args.temperature, top_p=args.top_p),
         batch_size=args.batch_size,
+        prefill_chunk=args.prefill_chunk,
     )
 
 

@@ -1,0 +1,66 @@
+"""The inference commands on a tiny trained run: `lwm eval needle` writes its JSON lines and
+heatmap, `lwm chat` answers several turns from one cache; their bad input is one line."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from lwm.cli import main as lwm
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Path:
+    """One step of the debug model with the project's 4,096-token text vocabulary."""
+    run = tmp_path_factory.mktemp("tiny") / "run"
+    args = ["--config", str(ROOT / "configs/debug.yaml"), "train.steps=1", "train.progress=false"]
+    args += ["model.text_vocab_size=4096", "model.max_seq_len=512"]
+    args += [f"train.output_dir={run}", "train.batch_size=8", "train.seq_len=64"]
+    args += ["train.peak_flops=1e9"]
+    assert lwm(["train", *args]) == 0
+    return run
+
+
+def test_eval_needle_command_writes_jsonl_and_heatmap(run, tmp_path, capsys):
+    out = tmp_path / "needle"
+    needle = ["eval", "needle", "--model", f"run:{run}", "--lengths", "96,120", "--batch-size", "8"]
+    needle += ["--depths", "0,1", "--max-new-tokens", "4", "--out", str(out)]
+    assert lwm([*needle, "--kind", "multi", "--needles", "3", "--asked", "2"]) == 0
+    captured = capsys.readouterr()
+    summary = json.loads(captured.out.strip().splitlines()[-1])
+    assert summary["kind"] == "multi" and summary["lengths"] == [96, 120]
+    assert summary["depths"] == [0.0, 1.0] and summary["cases"] == 8
+    rows = [json.loads(x) for x in (out / "needle-multi.jsonl").read_text().splitlines()]
+    assert len(rows) == 9 and rows[-1] == {"summary": summary}
+    assert all(r["prompt_tokens"] <= r["length"] for r in rows[:-1])
+    png = (out / "needle-multi.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and "wrote" in captured.err
+    # bad input: one line, exit 2
+    assert lwm([*needle, "--depths", "0,1.5"]) == 2
+    assert capsys.readouterr().err.strip() == "lwm eval: error: depth 1.5 is not in [0, 1]"
+    assert lwm([*needle, "--haystack", str(tmp_path / "none.txt")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"lwm eval: error: haystack file '{tmp_path / 'none.txt'}' not found"
+
+
+def test_chat_answers_every_turn_and_reports_a_full_context(run, monkeypatch, capsys):
+    chat = ["chat", "--model", f"run:{run}", "--max-new-tokens", "3", "--prefill-chunk", "16"]
+    monkeypatch.setattr("sys.stdin", io.StringIO("What is it?\n\nAnd now?\n"))
+    assert lwm([*chat, "--max-context", "64"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    assert [x["question"] for x in lines] == ["What is it?", "And now?"]
+    assert all(isinstance(x["answer"], str) and isinstance(x["cut"], bool) for x in lines)
+    # four turns of about 11 tokens do not fit 32: the answers so far, then one error line
+    questions = ["--question", "What is it?"] * 4
+    assert lwm([*chat, "--max-context", "32", *questions]) == 2
+    captured = capsys.readouterr()
+    assert 1 <= len(captured.out.strip().splitlines()) < 4
+    (err,) = [x for x in captured.err.splitlines() if "error" in x]
+    assert err.startswith("lwm chat: error: the conversation needs") and "holds 32" in err
+    assert lwm([*chat, "--video", "missing.mp4"]) == 2
+    assert "lwm chat: error:" in capsys.readouterr().err
