@@ -1,4 +1,5 @@
-"""Analytic model facts: parameter shapes and logical axes, counts, FLOPs and per-device memory.
+"""Analytic model facts: parameter shapes and logical axes, counts, FLOPs and per-device memory;
+and the measured matmul FLOP/s of the devices (`measure_peak_flops`), which MFU divides by.
 
 Nothing here allocates parameters, so a 7B (or larger) config is described instantly.
 `param_specs` is the single table of parameter shapes and logical axis names; the model uses it.
@@ -7,8 +8,11 @@ Nothing here allocates parameters, so a 7B (or larger) config is described insta
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Mapping
 from typing import NamedTuple
+
+import jax
 
 from lwm.base.mesh import logical_to_spec, shard_bytes
 from lwm.config import ModelConfig
@@ -160,3 +164,23 @@ def memory_per_device(cfg: ModelConfig, axis_sizes: Mapping[str, int]) -> Memory
         params += shard_bytes(spec.shape, pspec, axis_sizes, itemsize)
         moments += 2 * shard_bytes(spec.shape, pspec, axis_sizes, ADAM_MOMENT_BYTES)
     return MemoryPerDevice(params=params, optimizer=moments)
+
+
+def measure_peak_flops(devices: list[jax.Device], size: int = 1024, repeats: int = 3) -> float:
+    """Achieved float32 matmul FLOP/s per device, with every device multiplying at once."""
+    n = len(devices)
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.asarray(devices), ("d",))
+    sharding = NamedSharding(mesh, PartitionSpec("d"))
+    x = jax.device_put(jnp.ones((n, size, size), jnp.float32), sharding)
+    mm = jax.jit(lambda a: jnp.einsum("nij,njk->nik", a, a), out_shardings=sharding)
+    mm(x).block_until_ready()
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        mm(x).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * size**3 / best

@@ -23,11 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh
 
 from data.batches import Loader, SyntheticTokenLoader
 from data.tokens import EOF_ID, EOV_ID
@@ -35,7 +33,7 @@ from lwm.attention.layout import zigzag_permutation
 from lwm.base.mesh import MeshError, check_batch_fits
 from lwm.base.metrics import MetricsWriter
 from lwm.config import Config, config_to_yaml
-from lwm.info import flops_per_token
+from lwm.info import flops_per_token, measure_peak_flops
 from lwm.runs import (
     checkpoint_manager,
     restore_newest,
@@ -61,22 +59,6 @@ class TrainResult:
 
 # ----------------------------------------------------------------------------------------------
 # set-up
-
-
-def measure_peak_flops(devices: list[jax.Device], size: int = 1024, repeats: int = 3) -> float:
-    """Achieved float32 matmul FLOP/s per device, with every device multiplying at once."""
-    n = len(devices)
-    mesh = jax.sharding.Mesh(np.asarray(devices), ("d",))
-    sharding = NamedSharding(mesh, P("d"))
-    x = jax.device_put(jnp.ones((n, size, size), jnp.float32), sharding)
-    mm = jax.jit(lambda a: jnp.einsum("nij,njk->nik", a, a), out_shardings=sharding)
-    mm(x).block_until_ready()
-    best = math.inf
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        mm(x).block_until_ready()
-        best = min(best, time.perf_counter() - t0)
-    return 2.0 * size**3 / best
 
 
 def build_loader(cfg: Config, seq_len: int, layout: np.ndarray | None) -> Loader:

@@ -38,9 +38,8 @@ from data.batches import SyntheticTokenLoader  # noqa: E402
 from lwm.attention.layout import zigzag_permutation  # noqa: E402
 from lwm.base.mesh import make_mesh  # noqa: E402
 from lwm.config import load_config  # noqa: E402
-from lwm.info import flops_per_token, param_counts  # noqa: E402
+from lwm.info import flops_per_token, measure_peak_flops, param_counts  # noqa: E402
 from lwm.model import create_model  # noqa: E402
-from lwm.train import measure_peak_flops  # noqa: E402
 from lwm.train_step import (  # noqa: E402
     abstract_train_state,
     batch_sharding,

@@ -1,0 +1,250 @@
+"""The block kernel of blockwise and ring attention: queries and keys cut into blocks, and one
+local shard of queries against one chunk of keys and values, forward (`fwd_chunk`: online
+softmax into float32 statistics) and backward (`bwd_chunk`: from the global log-sum-exp). Block
+pairs whose mask is empty are skipped (`lax.switch`); fully visible pairs skip the mask.
+`lwm.attention.blockwise` runs it over the key chunks of one device or around the ring.
+
+Internal layouts (``nq``/``nk`` = number of blocks, ``g`` = query heads per kv head):
+  queries  [nq, batch, kv_heads, g, block_q, head_dim]
+  keys     [nk, batch, kv_heads, block_k, head_dim]
+  positions / segment ids [n, batch, block]
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from lwm.attention._common import (
+    FULL,
+    PAD_KV_POSITION,
+    PAD_KV_SEGMENT,
+    PAD_Q_SEGMENT,
+    attention_mask,
+    block_kind,
+    full,
+)
+
+F32 = jnp.float32
+
+
+class QBlocks(NamedTuple):
+    q: jax.Array  # [nq, b, kvh, g, bq, d]
+    pos: jax.Array  # [nq, b, bq]
+    seg: jax.Array | None
+
+
+class KVBlocks(NamedTuple):
+    k: jax.Array  # [nk, b, kvh, bk, d]
+    v: jax.Array
+    pos: jax.Array  # [nk, b, bk]
+    seg: jax.Array | None
+
+
+class Stats(NamedTuple):
+    acc: jax.Array  # [nq, b, kvh, g, bq, d] float32, un-normalised output
+    m: jax.Array  # [nq, b, kvh, g, bq] float32, running max
+    lsum: jax.Array  # [nq, b, kvh, g, bq] float32, running sum of exp
+
+
+class Spec(NamedTuple):
+    """Static facts of one attention call, shared by forward and backward."""
+
+    causal: bool
+    scale: float
+    block_q: int
+    block_k: int
+    precision: lax.Precision | None
+    kv_len: int  # keys and values per call (per device under ring attention), before padding
+
+
+def _pad(x: jax.Array | None, axis: int, size: int, value) -> jax.Array | None:
+    if x is None or x.shape[axis] == size:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def _blocks_1d(x: jax.Array | None, n: int, block: int) -> jax.Array | None:
+    """[b, n*block] -> [n, b, block]."""
+    if x is None:
+        return None
+    return x.reshape(x.shape[0], n, block).transpose(1, 0, 2)
+
+
+def effective_blocks(q_len: int, kv_len: int, block_q: int, block_k: int) -> tuple[int, int]:
+    if block_q <= 0 or block_k <= 0:
+        raise ValueError(f"block sizes must be positive; got block_q={block_q}, block_k={block_k}")
+    return min(block_q, q_len), min(block_k, kv_len)
+
+
+def needs_segments(kv_len: int, block_k: int, causal: bool, q_seg) -> bool:
+    return q_seg is None and not causal and kv_len % block_k != 0
+
+
+def blocks_q(x: jax.Array, kv_heads: int, block: int) -> jax.Array:
+    """[b, s, h, d] -> [nq, b, kv_heads, h/kv_heads, block, d] (zero-padded)."""
+    b, s, h, d = x.shape
+    n = -(-s // block)
+    x = _pad(x, 1, n * block, 0)
+    return x.reshape(b, n, block, kv_heads, h // kv_heads, d).transpose(1, 0, 3, 4, 2, 5)
+
+
+def split_q(
+    q: jax.Array, pos: jax.Array, seg: jax.Array | None, kv_heads: int, block: int
+) -> QBlocks:
+    n = -(-q.shape[1] // block)
+    pos = _blocks_1d(_pad(pos, 1, n * block, -1), n, block)
+    seg = _blocks_1d(_pad(seg, 1, n * block, PAD_Q_SEGMENT), n, block)
+    return QBlocks(blocks_q(q, kv_heads, block), pos, seg)
+
+
+def merge_q(x: jax.Array, length: int) -> jax.Array:
+    """[nq, b, kvh, g, bq, d] -> [b, length, kvh*g, d]."""
+    n, b, kvh, g, bq, d = x.shape
+    return x.transpose(1, 0, 4, 2, 3, 5).reshape(b, n * bq, kvh * g, d)[:, :length]
+
+
+def split_kv(
+    k: jax.Array, v: jax.Array, pos: jax.Array, seg: jax.Array | None, block: int
+) -> KVBlocks:
+    b, s, kvh, d = k.shape
+    n = -(-s // block)
+
+    def blocks(x):
+        x = _pad(x, 1, n * block, 0)
+        return x.reshape(b, n, block, kvh, d).transpose(1, 0, 3, 2, 4)
+
+    pos = _blocks_1d(_pad(pos, 1, n * block, PAD_KV_POSITION), n, block)
+    seg = _blocks_1d(_pad(seg, 1, n * block, PAD_KV_SEGMENT), n, block)
+    return KVBlocks(blocks(k), blocks(v), pos, seg)
+
+
+def merge_kv(x: jax.Array, length: int) -> jax.Array:
+    """[nk, b, kvh, bk, d] -> [b, length, kvh, d]."""
+    n, b, kvh, bk, d = x.shape
+    return x.transpose(1, 0, 3, 2, 4).reshape(b, n * bk, kvh, d)[:, :length]
+
+
+def init_stats(qs: QBlocks, vma: frozenset[str]) -> Stats:
+    shape = qs.q.shape
+    return Stats(
+        acc=full(shape, 0.0, F32, vma),
+        m=full(shape[:-1], -jnp.inf, F32, vma),
+        lsum=full(shape[:-1], 0.0, F32, vma),
+    )
+
+
+def finalize_stats(stats: Stats) -> tuple[jax.Array, jax.Array]:
+    """Normalised output (float32) and log-sum-exp; rows with no key give 0 and lse=+inf."""
+    empty = stats.lsum == 0
+    out = stats.acc / jnp.where(empty, 1.0, stats.lsum)[..., None]
+    lse = jnp.where(empty, jnp.inf, stats.m + jnp.log(jnp.where(empty, 1.0, stats.lsum)))
+    return out, lse
+
+
+def _scores(q, k, qp, kp, qsg, ksg, spec: Spec, masked: bool):
+    s = jnp.einsum("bhgqd,bhkd->bhgqk", q, k, preferred_element_type=F32, precision=spec.precision)
+    s = s * spec.scale
+    mask = attention_mask(qp, kp, qsg, ksg, spec.causal) if masked else None
+    if mask is not None:
+        s = jnp.where(mask[:, None, None], s, -jnp.inf)
+    return s
+
+
+def _by_kind(kind, compute, skip, operand):
+    """``compute(operand, masked)`` for live blocks (without the mask when the whole block is
+    visible), ``skip(operand)`` for dead ones."""
+    if kind is FULL:
+        return compute(operand, False)
+    branches = [skip, lambda x: compute(x, True), lambda x: compute(x, False)]
+    return lax.switch(kind, branches, operand)
+
+
+def _mm(spec: Spec, subscripts: str, a, b):
+    return jnp.einsum(subscripts, a, b, preferred_element_type=F32, precision=spec.precision)
+
+
+def fwd_chunk(qs: QBlocks, kv: KVBlocks, stats: Stats, spec: Spec) -> Stats:
+    """Fold one chunk of keys/values into the running softmax statistics of every query block."""
+
+    def q_step(_, xs):
+        q, qp, qsg, acc, m, lsum = xs
+
+        def k_step(carry, ys):
+            k, v, kp, ksg = ys
+
+            def compute(carry, masked):
+                acc, m, lsum = carry
+                s = _scores(q, k, qp, kp, qsg, ksg, spec, masked)
+                m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+                m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new) if masked else m_new
+                p = jnp.exp(s - m_safe[..., None])
+                alpha = jnp.exp(m - m_safe)
+                lsum = alpha * lsum + jnp.sum(p, axis=-1)
+                pv = _mm(spec, "bhgqk,bhkd->bhgqd", p.astype(v.dtype), v)
+                return alpha[..., None] * acc + pv, m_new, lsum
+
+            kind = block_kind(qp, kp, qsg, ksg, spec.causal)
+            return _by_kind(kind, compute, lambda c: c, carry), None
+
+        carry, _ = lax.scan(k_step, (acc, m, lsum), (kv.k, kv.v, kv.pos, kv.seg))
+        return None, carry
+
+    _, out = lax.scan(q_step, None, (qs.q, qs.pos, qs.seg, *stats))
+    return Stats(*out)
+
+
+def bwd_chunk(
+    qs: QBlocks,
+    do: jax.Array,
+    lse: jax.Array,
+    delta: jax.Array,
+    kv: KVBlocks,
+    dq: jax.Array,
+    spec: Spec,
+    vma: frozenset[str],
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Gradient contributions of one key/value chunk.
+
+    Returns the updated query-gradient accumulator (blocked like the queries) and this chunk's
+    key and value gradients (blocked like the keys), all float32.
+    """
+    kblock_shape = kv.k.shape[1:]
+    zeros_k = full(kblock_shape, 0.0, F32, vma)
+
+    def q_step(carry, xs):
+        dk, dv = carry
+        q, do_b, lse_b, delta_b, qp, qsg, dq_b = xs
+
+        def k_step(dq_b, ys):
+            k, v, kp, ksg = ys
+
+            def compute(dq_b, masked):
+                s = _scores(q, k, qp, kp, qsg, ksg, spec, masked)
+                p = jnp.exp(s - lse_b[..., None])
+                dp = _mm(spec, "bhgqd,bhkd->bhgqk", do_b, v)
+                ds = (p * (dp - delta_b[..., None])) * spec.scale
+                dq_b = dq_b + _mm(spec, "bhgqk,bhkd->bhgqd", ds.astype(k.dtype), k)
+                # dK and dV as [d, k] products, then a transpose of the small result:
+                # contracting the score block over queries directly makes XLA transpose the
+                # whole [q, k] block, which cost more than any one matmul here.
+                dk_c = _mm(spec, "bhgqd,bhgqk->bhdk", q, ds.astype(q.dtype))
+                dv_c = _mm(spec, "bhgqd,bhgqk->bhdk", do_b, p.astype(do_b.dtype))
+                return dq_b, (jnp.swapaxes(dk_c, -1, -2), jnp.swapaxes(dv_c, -1, -2))
+
+            kind = block_kind(qp, kp, qsg, ksg, spec.causal)
+            return _by_kind(kind, compute, lambda d: (d, (zeros_k, zeros_k)), dq_b)
+
+        dq_b, (dk_c, dv_c) = lax.scan(k_step, dq_b, (kv.k, kv.v, kv.pos, kv.seg))
+        return (dk + dk_c, dv + dv_c), dq_b
+
+    zeros_kv = full(kv.k.shape, 0.0, F32, vma)
+    (dk, dv), dq = lax.scan(
+        q_step, (zeros_kv, zeros_kv), (qs.q, do, lse, delta, qs.pos, qs.seg, dq)
+    )
+    return dq, dk, dv
