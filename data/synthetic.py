@@ -208,6 +208,14 @@ def sample_video(
         raise ValueError(f"need size >= 16 and num_frames >= 3, got {size} and {num_frames}")
     # How many objects and whether there is a needle are drawn once, so that the retries below
     # (objects that do not fit, frames that do not give the answers) do not bias them.
+    impossible = ValueError(
+        f"could not draw an answerable video of {size}x{size} pixels with up to {max_objects} "
+        f"shapes of radius {radius} x size; use larger frames or smaller shapes"
+    )
+    # Even the smallest shape, moving the shortest distance, must fit (`_place`): otherwise
+    # no draw can succeed, and the answer is known without trying 5,000 of them.
+    if 2 * (_BOUND * radius[0] * size + 1) + travel[0] * size > size:
+        raise impossible
     first = np.random.default_rng([seed, index])
     n = int(first.integers(1, max_objects + 1))
     needle = bool(first.random() < needle_prob)
@@ -216,10 +224,7 @@ def sample_video(
         spec = _draw(rng, seed, index, size, num_frames, fps, n, needle, radius, travel)
         if spec is not None and not check_spec(spec):
             return spec
-    raise ValueError(
-        f"could not draw an answerable video of {size}x{size} pixels with up to {max_objects} "
-        f"shapes of radius {radius} x size; use larger frames or smaller shapes"
-    )
+    raise impossible
 
 
 def check_spec(spec: VideoSpec) -> list[str]:

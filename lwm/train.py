@@ -242,15 +242,18 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
 
     bsharding = batch_sharding(mesh)
     global_shape = (tc.batch_size, seq_len)
-    pending: list[tuple[int, dict]] = []  # dispatched steps whose metrics are not yet checked
+    # dispatched steps whose metrics are not yet checked, with the time each waited for its batch
+    pending: list[tuple[int, dict, float]] = []
     last_good_save = resumed[0] if resumed is not None else None
-    window = {"t": time.perf_counter(), "steps": 0, "wait": 0.0}
+    window = {"t": time.perf_counter(), "steps": 0, "wait": 0.0, "checked": 0}
 
     def check(upto: int) -> None:
         """Fetch metrics of dispatched steps <= upto; stop on a non-finite loss; log."""
         nonlocal pending
         while pending and pending[0][0] <= upto:
-            step, metrics = pending.pop(0)
+            step, metrics, waited = pending.pop(0)
+            window["wait"] += waited
+            window["checked"] += 1
             host = {k: float(v) for k, v in jax.device_get(metrics).items()}
             if not math.isfinite(host["loss"]):
                 where = (
@@ -272,8 +275,8 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
             if step % tc.log_every == 0 or step == tc.steps:
                 now = time.perf_counter()
                 dt = (now - window["t"]) / max(window["steps"], 1)
-                wait = window["wait"] / max(window["steps"], 1)
-                window.update(t=now, steps=0, wait=0.0)
+                wait = window["wait"] / max(window["checked"], 1)  # of the steps logged
+                window.update(t=now, steps=0, wait=0.0, checked=0)
                 host.update(
                     learning_rate=float(schedule(step - 1)),
                     step_time_s=dt,
@@ -295,9 +298,9 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
                 k: jax.make_array_from_process_local_data(bsharding, v, global_shape)
                 for k, v in local.items()
             }
-            window["wait"] += time.perf_counter() - t_data
+            waited = time.perf_counter() - t_data
             params, opt_state, metrics = step_fn(params, opt_state, batch)
-            pending.append((step, metrics))
+            pending.append((step, metrics, waited))
             window["steps"] += 1
             check(step - 1)  # the previous step, so this one keeps running meanwhile
             if bar is not None:

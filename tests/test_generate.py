@@ -232,15 +232,14 @@ def test_chunked_prefill_equals_one_prefill(mesh_shape):
 
 
 def test_a_second_chat_turn_reuses_the_cache():
-    """Two turns of a conversation about a video, fed in chunks into one cache sharded over sp:
-    the second answer equals generation from a fresh prompt that holds both turns."""
+    """Two turns of a conversation about a video, fed in chunks into one cache (the chunks on
+    an sp-sharded cache: `test_chunked_prefill_equals_one_prefill`): the second answer equals
+    generation from a fresh prompt that holds both turns."""
     from data.tokens import TextCodec, qa_prompt, video_prompt_streams
     from lwm.chat import ChatSession, ContextFullError
 
     codec = TextCodec.load()
-    model = create_model(
-        debug_cfg(attention="ring", text_vocab_size=codec.vocab_size), mesh=make_mesh("1,1,4,2")
-    )
+    model = create_model(debug_cfg(text_vocab_size=codec.vocab_size))
     codes = np.random.default_rng(0).integers(0, 512, (2, 2, 2))
     chat = ChatSession(model, codec, codes, max_context=128, prefill_chunk=16, max_new_tokens=5)
     chat.ask("What colour is the square?")
