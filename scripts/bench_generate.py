@@ -1,0 +1,112 @@
+"""Generation speed against context length and the number of `sp` devices: chunked prefill
+(`lwm.generate.prefill_chunked`, as `lwm chat` feeds a long video) and decoding (one token at a
+time against the cache, `lwm.generate.decode_step`), with the planned temporary memory per
+device of the prefill, on simulated CPU devices.
+
+    python scripts/bench_generate.py                                  # tiny model, see --help
+    python scripts/bench_generate.py --lengths 4096 --sp 1,2,4,8      # decode flat in sp?
+
+Each (sp, length) compiles its own programs (not timed); one timed prefill of ``length`` random
+tokens in chunks of ``--chunk`` into a cache of ``length + --decode`` slots, then ``--decode``
+timed decode steps. One JSON line per measurement.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from lwm.base.mesh import make_mesh  # noqa: E402
+from lwm.config import load_config  # noqa: E402
+from lwm.generate import decode_step, prefill_chunked  # noqa: E402
+from lwm.model import create_model  # noqa: E402
+
+
+def bench(cfg, sp: int, length: int, chunk: int, steps: int) -> dict:
+    mesh = make_mesh(f"1,1,{sp},1", devices=jax.devices()[:sp]) if sp > 1 else None
+    model_cfg = cfg.model_copy(
+        update={"attention": "ring" if sp > 1 else "blockwise", "max_seq_len": length + steps}
+    )
+    model = create_model(model_cfg, mesh=mesh)
+    graphdef, state = nnx.split(model)
+    max_len = -(-(length + steps) // max(sp, 1)) * max(sp, 1)
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, model_cfg.text_vocab_size, (1, length)), jnp.int32)
+    vision = jnp.zeros((1, length), bool)
+    lens = jnp.asarray([length], jnp.int32)
+
+    def run_prefill(state, tokens, vision, lens):
+        m = nnx.merge(graphdef, state)
+        return prefill_chunked(m, tokens, vision, lens, max_len, chunk)
+
+    def run_decode(state, cache, start):
+        m = nnx.merge(graphdef, state)
+
+        def body(i, carry):
+            cache, token = carry
+            cache, hidden = decode_step(m, cache, token, jnp.zeros((1,), bool), start + i)
+            return cache, jnp.argmax(m.logits(hidden[:, None])[0][:, 0], -1).astype(jnp.int32)
+
+        return jax.lax.fori_loop(0, steps, body, (cache, jnp.zeros((1,), jnp.int32)))
+
+    t0 = time.perf_counter()
+    prefill = jax.jit(run_prefill).lower(state, tokens, vision, lens).compile()
+    compile_s = time.perf_counter() - t0
+    temp = prefill.memory_analysis().temp_size_in_bytes
+    t0 = time.perf_counter()
+    cache, _ = jax.block_until_ready(prefill(state, tokens, vision, lens))
+    prefill_s = time.perf_counter() - t0
+    start = jnp.asarray([length], jnp.int32)
+    decode = jax.jit(run_decode).lower(state, cache, start).compile()
+    t0 = time.perf_counter()
+    jax.block_until_ready(decode(state, cache, start))
+    decode_s = time.perf_counter() - t0
+    cache_bytes = sum(x.size * x.dtype.itemsize for x in cache) // max(sp, 1)
+    return {
+        "bench": "generate",
+        "sp": sp,
+        "context": length,
+        "chunk": chunk,
+        "prefill_s": round(prefill_s, 3),
+        "prefill_tokens_per_s": round(length / prefill_s, 1),
+        "decode_ms_per_token": round(1e3 * decode_s / steps, 2),
+        "prefill_temp_bytes_per_device": temp,
+        "cache_bytes_per_device": int(cache_bytes),
+        "compile_s": round(compile_s, 1),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default="configs/tiny.yaml")
+    p.add_argument("--lengths", default="1024,4096,16384")
+    p.add_argument("--sp", default="1,4", help="sp device counts (each length runs on each)")
+    p.add_argument("--chunk", type=int, default=1024)
+    p.add_argument("--decode", type=int, default=32, help="decode steps timed")
+    args = p.parse_args(argv)
+    cfg = load_config(args.config).model
+    for sp in (int(s) for s in args.sp.split(",")):
+        for length in (int(n) for n in args.lengths.split(",")):
+            print(json.dumps(bench(cfg, sp, length, args.chunk, args.decode)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
