@@ -126,30 +126,22 @@ class TokenizeSummary:
     errors: list[str] = field(default_factory=list)
 
     def lines(self) -> list[str]:
-        if not self.seconds:  # `merge_dataset`: nothing encoded here
-            return [
-                f"{self.items} items: {self.ok} ok, {self.failed} failed"
-                + (f" (the errors: {self.errors_path})" if self.failed else ""),
-                *(
-                    [f"wrote {self.output} ({self.ok} records, {self.tokens} tokens)"]
-                    * self.published
-                ),
-            ]
-        busy = 100 * self.encode_seconds / self.seconds if self.seconds else 0.0
-        rate = self.frames / self.seconds if self.seconds else 0.0
-        out = [
-            f"{self.items} items: {self.ok} ok, {self.failed} failed"
-            + (f" (the errors: {self.errors_path})" if self.failed else ""),
-            f"{self.frames} frames encoded in {self.seconds:.1f} s ({rate:.1f} frames/s); "
-            f"encoder busy {busy:.0f}% of the time"
-            + (
-                f"; {self.resumed_chunks} chunks from an earlier run" if self.resumed_chunks else ""
-            ),
-        ]
-        if self.role and not self.published:  # the job's counts are process 0's to tell
-            out = out[1:]
+        out = []
         if self.role:
-            out.insert(0, f"{self.role}: made {self.chunks_here} of the {self.chunks} chunks")
+            out.append(f"{self.role}: made {self.chunks_here} of the {self.chunks} chunks")
+        if self.published or not self.role:  # a shared job's counts are its publisher's
+            out.append(
+                f"{self.items} items: {self.ok} ok, {self.failed} failed"
+                + (f" (the errors: {self.errors_path})" if self.failed else "")
+            )
+        if self.seconds:  # not `merge_dataset`, which encodes nothing
+            busy = 100 * self.encode_seconds / self.seconds
+            resumed = self.resumed_chunks
+            out.append(
+                f"{self.frames} frames encoded in {self.seconds:.1f} s "
+                f"({self.frames / self.seconds:.1f} frames/s); encoder busy {busy:.0f}% of the time"
+                + (f"; {resumed} chunks from an earlier run" if resumed else "")
+            )
         if self.published:
             out.append(f"wrote {self.output} ({self.ok} records, {self.tokens} tokens)")
         elif self.role.startswith("shard"):

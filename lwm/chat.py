@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 
 from data.tokens import TextCodec, qa_prompt, video_prompt_streams
-from lwm.generate import GREEDY, KVCache, Sampling, _cache_sharding, _decode_loop, extend
+from lwm.generate import GREEDY, Sampling, decode_loop, empty_cache, extend
 from lwm.model import LWMModel
 from lwm.qa_eval import Answer
 
@@ -47,7 +47,7 @@ def _answer(
     graphdef, state, cache, hidden, position, key, *, max_new_tokens, sampling, stop_tokens
 ):
     model = nnx.merge(graphdef, state)
-    return _decode_loop(
+    return decode_loop(
         model,
         cache,
         hidden,
@@ -95,10 +95,7 @@ class ChatSession:
         self.pending = (list(tokens), list(vision))  # fed with the first question
         self.length = 0  # tokens in the cache
         self.history: list[int] = []  # every token of the conversation, for inspection
-        cfg = model.cfg
-        shape = (cfg.num_layers, 1, max_context, cfg.num_kv_heads, cfg.head_dim)
-        dtype = jnp.dtype(cfg.dtype)
-        self.cache = KVCache(*(_cache_sharding(model, jnp.zeros(shape, dtype)) for _ in range(2)))
+        self.cache = empty_cache(model, 1, max_context)
         self.hidden: jax.Array | None = None
 
     def feed(self, tokens: list[int], vision: list[bool]) -> None:

@@ -78,6 +78,14 @@ def _cache_sharding(model: LWMModel, x: jax.Array) -> jax.Array:
     return model._constrain(x, None, "batch", "length", "act_kv_heads", None)
 
 
+def empty_cache(model: LWMModel, batch: int, max_len: int) -> KVCache:
+    """A zero key/value cache of ``max_len`` slots in the compute dtype, sharded as the cache is."""
+    cfg = model.cfg
+    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    k, v = (_cache_sharding(model, jnp.zeros(shape, jnp.dtype(cfg.dtype))) for _ in range(2))
+    return KVCache(k, v)  # two buffers: callers may donate the cache
+
+
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
@@ -120,9 +128,7 @@ def prefill_chunked(
     as `prefill` (to float rounding)."""
     b, p = tokens.shape
     cfg = model.cfg
-    shape = (cfg.num_layers, b, max_len, cfg.num_kv_heads, cfg.head_dim)
-    dtype = model.embed(tokens[:, :1], vision_mask[:, :1]).dtype
-    cache = KVCache(*(_cache_sharding(model, jnp.zeros(shape, dtype)) for _ in range(2)))
+    cache = empty_cache(model, b, max_len)
 
     def body(i, carry):
         cache, last = carry
@@ -135,7 +141,7 @@ def prefill_chunked(
         h = jnp.take_along_axis(hidden, jnp.clip(at, 0, chunk - 1)[:, None, None], axis=1)
         return cache, jnp.where(inside[:, None], h[:, 0], last)
 
-    last = jnp.zeros((b, cfg.hidden_size), dtype)
+    last = jnp.zeros((b, cfg.hidden_size), cache.k.dtype)
     return jax.lax.fori_loop(0, p // chunk, body, (cache, last))
 
 
@@ -238,7 +244,7 @@ def _next_logits(model: LWMModel, hidden: jax.Array, mode: str) -> jax.Array:
     return (image if vision else text)[:, 0]
 
 
-def _decode_loop(
+def decode_loop(
     model,
     cache,
     hidden,
@@ -343,7 +349,7 @@ def _generate(
         )
     else:
         cache, hidden = prefill(model, tokens, vision_mask, prompt_len, max_len)
-    out, lengths, _ = _decode_loop(
+    out, lengths, _ = decode_loop(
         model,
         cache,
         hidden,

@@ -203,6 +203,17 @@ def synthetic(tmp_path_factory):
     return _synthetic_manifest(tmp_path_factory.mktemp("synthetic"))
 
 
+def assert_same_dataset(got: Path, want: Path) -> None:
+    a, b = read_records(got), read_records(want)
+    assert len(a) == len(b) == 12
+    for x, y in zip(a, b, strict=True):
+        assert x.keys() == y.keys()
+        for key in x:
+            np.testing.assert_array_equal(x[key], y[key])
+    for name in ("num_tokens-train.npy", "metadata.json", "features.json"):
+        assert (got / name).read_bytes() == (want / name).read_bytes()
+
+
 def test_killed_run_resumes_to_the_same_dataset(tmp_path, synthetic, vqgan_dir, capsys):
     common = ["--input", str(synthetic), "--vqgan", str(vqgan_dir)]
     common += ["--chunk-size", "1", "--batch-frames", "16", "--no-progress"]
@@ -232,14 +243,7 @@ def test_killed_run_resumes_to_the_same_dataset(tmp_path, synthetic, vqgan_dir, 
     reference = tmp_path / "reference"
     assert lwm(["tokenize", *common, "--output", str(reference), "--workers", "0"]) == 0
 
-    got, want = read_records(out), read_records(reference)
-    assert len(got) == len(want) == 12
-    for a, b in zip(got, want, strict=True):
-        assert a.keys() == b.keys()
-        for key in a:
-            np.testing.assert_array_equal(a[key], b[key])
-    for name in ("num_tokens-train.npy", "metadata.json", "features.json"):
-        assert (out / name).read_bytes() == (reference / name).read_bytes()
+    assert_same_dataset(out, reference)
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in reference.iterdir())
 
 
@@ -340,17 +344,6 @@ def one_process(tmp_path_factory, synthetic, vqgan_dir):
     args = ["--input", str(synthetic), "--vqgan", str(vqgan_dir), *SHARED]
     assert lwm(["tokenize", *args, "--output", str(out)]) == 0
     return out
-
-
-def assert_same_dataset(got: Path, want: Path) -> None:
-    a, b = read_records(got), read_records(want)
-    assert len(a) == len(b) == 12
-    for x, y in zip(a, b, strict=True):
-        assert x.keys() == y.keys()
-        for key in x:
-            np.testing.assert_array_equal(x[key], y[key])
-    for name in ("num_tokens-train.npy", "metadata.json", "features.json"):
-        assert (got / name).read_bytes() == (want / name).read_bytes()
 
 
 def _env_without_xla_flags() -> dict[str, str]:
