@@ -1,8 +1,8 @@
 """Decode attention: a few new query tokens against a key/value cache sharded over ``sp``.
 
-Each device attends its own slice of the cache and produces a partial output with float32
-softmax statistics (running max and sum); one reduction over ``sp`` (pmax, then psum) combines
-them. The cache never moves between devices, unlike the reference ring implementation, which
+Each device attends its own slice of the cache, block by block and only as far as the cache is
+filled, and produces a partial output with float32 softmax statistics (running max and sum);
+one reduction over ``sp`` (pmax, then psum) combines them. The cache never moves between devices, unlike the reference ring implementation, which
 rotates the whole cache around the ring for every generated token.
 """
 
@@ -16,17 +16,27 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from lwm.attention._common import attention_mask, check_qkv, default_positions
+from lwm.attention._common import (
+    attention_mask,
+    check_qkv,
+    default_positions,
+    full,
+    union_vma,
+)
 from lwm.attention.ring import _axes_size, _present
 from lwm.base.mesh import BATCH_AXES, SEQUENCE_AXIS
 
 F32 = jnp.float32
 
 
-def _cache_mask(q_pos, kv_pos, slot, cache_len):
-    """Slot ``j`` is valid when ``j < cache_len`` and ``kv_pos <= q_pos``."""
-    mask = attention_mask(q_pos, kv_pos, None, None, causal=True)
-    return mask & (slot[None, None, :] < cache_len[:, None, None])
+BLOCK = 512  # cache slots per step of the loop over the filled part of the cache
+
+
+def _block_size(s_local: int, block: int) -> int:
+    """The largest divisor of ``s_local`` up to ``block``; the whole slice when that divisor
+    would be so small that the loop's overhead outweighs the slots it skips."""
+    size = next(d for d in range(min(block, s_local), 0, -1) if s_local % d == 0)
+    return size if size * 4 >= min(block, s_local) else s_local
 
 
 def decode_attention_local(
@@ -39,30 +49,59 @@ def decode_attention_local(
     kv_positions: jax.Array,
     axis_name: str | None = SEQUENCE_AXIS,
     scale: float | None = None,
+    block: int = BLOCK,
 ) -> jax.Array:
     """Per-device part of `ring_decode_attention`; call inside `shard_map` (or with
     ``axis_name=None`` on one device). ``k_cache``/``v_cache`` are this device's slice
-    ``[batch, cache/sp, kv_heads, head_dim]``; ``kv_positions`` its positions."""
+    ``[batch, cache/sp, kv_heads, head_dim]``; ``kv_positions`` its positions.
+
+    The slice is read in blocks of ``block`` slots with an online softmax (float32 running
+    max and sum), and only the blocks that hold a filled slot (below the longest row's
+    ``cache_len``) are read: a prompt chunk or a new token costs what the filled cache holds,
+    not the cache's size, and the temporaries are one block's."""
     b, tq, h, d = q.shape
     s_local, kvh = k_cache.shape[1], k_cache.shape[2]
     scale = d**-0.5 if scale is None else scale
     offset = 0 if axis_name is None else lax.axis_index(axis_name) * s_local
-    slot = offset + jnp.arange(s_local, dtype=jnp.int32)
+    size = _block_size(s_local, block)
+    filled = jnp.clip(jnp.max(cache_len) - offset, 0, s_local)
+    blocks = (filled + size - 1) // size
     qg = q.reshape(b, tq, kvh, h // kvh, d)
-    s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k_cache, preferred_element_type=F32) * scale
-    mask = _cache_mask(q_positions, kv_positions, slot, cache_len)[:, None, None]
-    s = jnp.where(mask, s, -jnp.inf)
-    m = jnp.max(s, axis=-1)
-    if axis_name is not None:
-        m = lax.pmax(m, axis_name)
-    m_safe = jnp.where(jnp.isneginf(m), 0.0, m)
-    p = jnp.exp(s - m_safe[..., None])
-    lsum = jnp.sum(p, axis=-1)
-    acc = jnp.einsum(
-        "bhgqk,bkhd->bhgqd", p.astype(v_cache.dtype), v_cache, preferred_element_type=F32
+
+    def body(carry):
+        i, m, lsum, acc = carry
+        at = i * size
+        k = lax.dynamic_slice_in_dim(k_cache, at, size, axis=1)
+        v = lax.dynamic_slice_in_dim(v_cache, at, size, axis=1)
+        kv_pos = lax.dynamic_slice_in_dim(kv_positions, at, size, axis=1)
+        slot = offset + at + jnp.arange(size, dtype=jnp.int32)
+        s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=F32) * scale
+        mask = attention_mask(q_positions, kv_pos, None, None, causal=True)
+        mask = mask & (slot[None, None, :] < cache_len[:, None, None])
+        s = jnp.where(mask[:, None, None], s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
+        p = jnp.exp(s - m_safe[..., None])
+        correction = jnp.exp(jnp.where(jnp.isneginf(m), m_safe, m) - m_safe)
+        lsum = lsum * correction + jnp.sum(p, axis=-1)
+        pv = jnp.einsum("bhgqk,bkhd->bhgqd", p.astype(v.dtype), v, preferred_element_type=F32)
+        return i + 1, m_new, lsum, acc * correction[..., None] + pv
+
+    stats = (b, kvh, h // kvh, tq)
+    # the loop's carry varies over every mesh axis its inputs vary over (check_vma)
+    vma = union_vma((q, k_cache, v_cache, cache_len, q_positions, kv_positions))
+    init = (
+        jnp.int32(0),
+        full(stats, -jnp.inf, F32, vma),
+        full(stats, 0.0, F32, vma),
+        full((*stats, d), 0.0, F32, vma),
     )
-    if axis_name is not None:
-        lsum, acc = lax.psum((lsum, acc), axis_name)
+    _, m, lsum, acc = lax.while_loop(lambda c: c[0] < blocks, body, init)
+    if axis_name is not None:  # rescale every device's part to the global max, then sum
+        m_all = lax.pmax(m, axis_name)
+        m_safe = jnp.where(jnp.isneginf(m_all), 0.0, m_all)
+        correction = jnp.exp(jnp.where(jnp.isneginf(m), m_safe, m) - m_safe)
+        lsum, acc = lax.psum((lsum * correction, acc * correction[..., None]), axis_name)
     out = acc / jnp.where(lsum == 0, 1.0, lsum)[..., None]
     return out.transpose(0, 3, 1, 2, 4).reshape(b, tq, h, d).astype(q.dtype)
 
@@ -80,13 +119,15 @@ def ring_decode_attention(
     batch_axes: str | Sequence[str] | None = BATCH_AXES,
     head_axis: str | None = "tp",
     scale: float | None = None,
+    block: int = BLOCK,
 ) -> jax.Array:
     """Attention of ``q [batch, new, heads, head_dim]`` against a cache
     ``[batch, max_len, kv_heads, head_dim]`` sharded over ``axis_name``.
 
     ``cache_len`` (scalar or ``[batch]``) is the number of filled slots; the new tokens are
     expected to be written already, at slots ``cache_len - new .. cache_len - 1``, which are
-    also their default positions. ``kv_positions`` defaults to the slot index.
+    also their default positions. ``kv_positions`` defaults to the slot index. Slots at or
+    past the longest row's ``cache_len`` are never read (``block``: `decode_attention_local`).
     """
     check_qkv(q, k_cache, v_cache)
     b, tq, _, _ = q.shape
@@ -110,7 +151,15 @@ def ring_decode_attention(
     x_seq = P(batch_axes, axis_name, head_axis, None)
     fn = jax.shard_map(
         lambda q, k, v, n, qp, kp: decode_attention_local(
-            q, k, v, cache_len=n, q_positions=qp, kv_positions=kp, axis_name=axis_name, scale=scale
+            q,
+            k,
+            v,
+            cache_len=n,
+            q_positions=qp,
+            kv_positions=kp,
+            axis_name=axis_name,
+            scale=scale,
+            block=block,
         ),
         mesh=mesh,
         in_specs=(
