@@ -19,7 +19,7 @@ import numpy as np
 from data import dataset_io
 from data.decode import Decoded, DecodeOptions, decode_item
 from data.manifest import Item
-from data.tokens import build_example
+from data.tokens import build_example, text_first
 from data.workdir import chunk_json, chunk_shard, write_json
 
 __all__ = ["ChunkEncoder", "decode_stream"]
@@ -28,9 +28,20 @@ __all__ = ["ChunkEncoder", "decode_stream"]
 class ChunkEncoder:
     """The records of one chunk, its items added in order (`add`, `add_same_as`)."""
 
-    def __init__(self, items, codec, encoder, batch_frames, summary, bar, log, learn_video=None):
+    def __init__(
+        self,
+        items,
+        codec,
+        encoder,
+        batch_frames,
+        summary,
+        bar,
+        log,
+        learn_video=None,
+        text_first_ratio=0.0,
+    ):
         self.items, self.codec, self.encoder = items, codec, encoder
-        self.learn_video = learn_video
+        self.learn_video, self.text_first_ratio = learn_video, text_first_ratio
         self.batch_frames, self.summary, self.bar, self.log = batch_frames, summary, bar, log
         self.queue: deque[tuple[int, np.ndarray]] = deque()  # frames waiting for the encoder
         self.queued = 0
@@ -121,7 +132,12 @@ class ChunkEncoder:
             self.done_codes[index] = codes
         try:
             streams = build_example(
-                self.codec, codes, text=item.text, qa=item.qa_dicts(), learn_video=self.learn_video
+                self.codec,
+                codes,
+                text=item.text,
+                qa=item.qa_dicts(),
+                learn_video=self.learn_video,
+                text_first=text_first(index, self.text_first_ratio),
             )
         except ValueError as e:
             self._fail(index, str(e))

@@ -141,8 +141,6 @@ def _read_video(path: Path, options: DecodeOptions) -> tuple[np.ndarray, int]:
             raise DecodeError(
                 f"decoding failed at frame {group[0]}, the file may be truncated ({problem})"
             ) from None
-        if frames.ndim != 4 or frames.shape[0] != len(group) or frames.shape[-1] != 3:
-            raise DecodeError(f"decoder returned frames of shape {frames.shape}")
         out.append(_resize(frames, options.resolution))
     return np.concatenate(out), total
 

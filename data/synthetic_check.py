@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["Observation", "Seen", "answer", "classify_shape", "observe"]
+__all__ = ["Observation", "Seen", "answer", "classify_shape", "colour_pixels", "observe"]
 
 # The world's vocabulary (`data.synthetic` imports these).
 PALETTE: dict[str, tuple[int, int, int]] = {
@@ -79,6 +79,14 @@ def _labels(frames: np.ndarray, max_distance: float) -> np.ndarray:
         nearest < len(PALETTE)
     )
     return np.where(ok, nearest, -1)
+
+
+def colour_pixels(frames: np.ndarray, *, max_distance: float = 60.0) -> dict[str, int]:
+    """Pixels of each palette colour in uint8 frames ``[T, H, W, 3]`` (all frames together),
+    most first; colours with no pixel are left out."""
+    labels = _labels(np.asarray(frames), max_distance)
+    counts = {c: int((labels == i).sum()) for i, c in enumerate(PALETTE)}
+    return dict(sorted(((c, n) for c, n in counts.items() if n), key=lambda x: -x[1]))
 
 
 def classify_shape(mask: np.ndarray) -> str | None:

@@ -101,6 +101,9 @@ class TokenizeOptions:
     strict: bool = False
     progress: bool = True
     video_loss: str = "captioned"  # which records learn their video: captioned, all, none
+    text_first_ratio: float = (
+        0.0  # captioned videos written caption-first (`data.tokens.text_first`)
+    )
     shard: tuple[int, int] | None = None  # (I, N): make the chunks c % N == I, publish nothing
 
 
@@ -168,6 +171,8 @@ def tokenize_dataset(
     log = log or (lambda msg: print(msg, file=sys.stderr))
     out = Path(opts.output)
     work = work_dir(out)
+    if not 0.0 <= opts.text_first_ratio <= 1.0:
+        raise TokenizeError(f"--text-first-ratio must lie in [0, 1], got {opts.text_first_ratio}")
     if opts.video_loss not in LEARN_VIDEO:
         raise TokenizeError(
             f"unknown video loss '{opts.video_loss}'; choose one of {', '.join(LEARN_VIDEO)}"
@@ -241,6 +246,7 @@ def tokenize_dataset(
                 bar,
                 log,
                 LEARN_VIDEO[opts.video_loss],
+                opts.text_first_ratio,
             )
             for i, first in plans[c]:
                 if first is not None:  # the same file as item `first`: reuse its codes
@@ -309,6 +315,7 @@ def _job(opts: TokenizeOptions, items: list[Item], codec: TextCodec, encoder: En
         "batch_frames": opts.batch_frames,
         "chunk_size": opts.chunk_size,
         "video_loss": opts.video_loss,
+        "text_first_ratio": opts.text_first_ratio,
     }
 
 

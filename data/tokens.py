@@ -19,13 +19,16 @@ never before the markers; ``E`` = its EOS where it has one; loss 1 = trained on)
 record         tokens                                                     loss_mask = 1 on
 ============== ========================================================== ====================
 video+caption  B <vision> V </vision> caption E                            everything but B
+caption+video  B caption <vision> V </vision> E                            everything but B
 video+QA       B <vision> V </vision> ("USER: q ASSISTANT:" " a" E) x n    each " a" and its E
 image(+..)     as a video of one frame (caption, QA or neither)           as for the video
 video, no text B <vision> V </vision> E                                   everything but B
 text only      B text E                                                   everything but B
 ============== ========================================================== ====================
 
-A caption record trains on its video too (LWM trains on both the frames and the caption of
+Caption-first records (``text_first=True``; `lwm tokenize --text-first-ratio`) teach the model
+to continue a caption with its video: text-to-video generation prompts with
+``B caption <vision>`` (`text_to_video_prompt_streams`). A caption record trains on its video too (LWM trains on both the frames and the caption of
 its video-text data); in a QA record the video and the questions are context (loss 0) and only
 the answers (with the EOS that ends each) are learned. The QA prompt is `qa_prompt`, so
 inference can build exactly the prompt the model was trained on.
@@ -48,8 +51,11 @@ __all__ = [
     "Example",
     "TextCodec",
     "build_example",
+    "frame_markers",
     "qa_prompt",
     "qa_prompt_streams",
+    "text_first",
+    "text_to_video_prompt_streams",
     "vision_span",
 ]
 
@@ -59,6 +65,11 @@ EOV_ID = 8193  # end of the video, after the last frame
 VISION_VOCAB_SIZE = 8448  # codes + markers, padded
 VISION_START = "<vision>"
 VISION_END = "</vision>"
+
+
+def frame_markers() -> dict[str, int]:
+    """The frame marker ids by name, as a dataset's metadata records them."""
+    return {"eof": EOF_ID, "eov": EOV_ID}
 
 
 def qa_prompt(question: str) -> str:
@@ -157,10 +168,14 @@ def _begin(codec: TextCodec, codes: np.ndarray | None, train_vision: bool) -> Ex
     if codec.bos_id is not None:
         ex.add([codec.bos_id], vision=False, loss=False)
     if codes is not None:
-        ex.add(codec.vision_start, vision=False, loss=train_vision)
-        ex.add(vision_span(codes), vision=True, loss=train_vision)
-        ex.add(codec.vision_end, vision=False, loss=train_vision)
+        _add_video(ex, codec, codes, train_vision)
     return ex
+
+
+def _add_video(ex: Example, codec: TextCodec, codes: np.ndarray, train_vision: bool) -> None:
+    ex.add(codec.vision_start, vision=False, loss=train_vision)
+    ex.add(vision_span(codes), vision=True, loss=train_vision)
+    ex.add(codec.vision_end, vision=False, loss=train_vision)
 
 
 def video_prompt_streams(codec: TextCodec, codes: np.ndarray | None):
@@ -178,6 +193,25 @@ def qa_prompt_streams(codec: TextCodec, codes: np.ndarray, question: str):
     return arrays["tokens"], arrays["vision_mask"].astype(bool)
 
 
+def text_to_video_prompt_streams(codec: TextCodec, caption: str | None):
+    """``(tokens, vision_mask)`` of the prompt that asks for the video of ``caption``: a
+    caption-first record up to and including its ``<vision>``. ``caption=None``: the
+    unconditional prompt (BOS, ``<vision>``) of classifier-free guidance."""
+    ex = _begin(codec, None, train_vision=False)
+    if caption:
+        ex.add(codec.encode(caption), vision=False, loss=False)
+    ex.add(codec.vision_start, vision=False, loss=False)
+    arrays = ex.arrays()
+    return arrays["tokens"], arrays["vision_mask"].astype(bool)
+
+
+def text_first(index: int, ratio: float) -> bool:
+    """Whether captioned item ``index`` of a dataset is written caption-first: the items
+    ``i`` with ``frac(i * phi) < ratio`` (phi the golden ratio), a fraction ``ratio`` of every
+    long enough run of items, spread evenly and the same in every run of `lwm tokenize`."""
+    return (index * 0.6180339887498949) % 1.0 < ratio
+
+
 def build_example(
     codec: TextCodec,
     codes: np.ndarray | None = None,
@@ -185,17 +219,25 @@ def build_example(
     text: str | None = None,
     qa: list[dict[str, str]] | None = None,
     learn_video: bool | None = None,
+    text_first: bool = False,
 ) -> dict[str, np.ndarray]:
     """The streams of one record (see the module docstring): ``tokens`` int32, ``vision_mask``
     bool, ``loss_mask`` uint8, all of one length. ``codes`` ``[T, h, w]`` or None (text only);
     at most one of ``text`` (a caption, or the text of a text-only record) and ``qa``.
     ``learn_video``: whether the video's tokens are trained on (loss 1); None: as in the table
-    above (yes, except in a QA record)."""
+    above (yes, except in a QA record). ``text_first``: a captioned video is written
+    caption-first (ignored for other records)."""
     if text is not None and qa is not None:
         raise ValueError("an example has a caption or questions, not both")
     if codes is None and text is None:
         raise ValueError("a text-only example needs text")
     train_vision = qa is None if learn_video is None else learn_video
+    if text_first and text and codes is not None:
+        ex = _begin(codec, None, train_vision)
+        ex.add(codec.encode(text), vision=False, loss=True)
+        _add_video(ex, codec, codes, train_vision)
+        ex.add([codec.eos_id] if codec.eos_id is not None else [], vision=False, loss=True)
+        return ex.arrays()
     ex = _begin(codec, codes, train_vision)
     eos = [codec.eos_id] if codec.eos_id is not None else []
     if qa is not None:

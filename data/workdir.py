@@ -22,7 +22,7 @@ import numpy as np
 
 from data import dataset_io
 from data.manifest import Item
-from data.tokens import EOF_ID, EOV_ID
+from data.tokens import frame_markers
 from lwm.base.files import write_text
 
 __all__ = [
@@ -144,8 +144,7 @@ def publish(work: Path, out: Path, infos: list[dict[str, Any]], job: dict[str, A
         "markers": {
             "vision_start": job["text_tokenizer"]["vision_start"],
             "vision_end": job["text_tokenizer"]["vision_end"],
-            "eof": EOF_ID,
-            "eov": EOV_ID,
+            **frame_markers(),
         },
         "vqgan": {
             "path": job["vqgan"],
@@ -155,6 +154,7 @@ def publish(work: Path, out: Path, infos: list[dict[str, Any]], job: dict[str, A
         },
         "sampling": {k: job[k] for k in ("fps", "max_frames", "min_frames")},
         "video_loss": job["video_loss"],
+        "text_first_ratio": job["text_first_ratio"],
         "input": job["input"],
         "counts": {
             "items": counts["items"],

@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("lwm.commands.train", "train the model (sharded, checkpointed, resumable)"),
     "ask": ("lwm.commands.ask", "answer questions about a video with a trained model"),
     "chat": ("lwm.commands.chat", "a conversation about a video (one cache, many turns)"),
+    "generate": ("lwm.commands.generate", "generate a video from a caption (text-to-video)"),
     "eval": (
         "lwm.commands.eval",
         "evaluate a model: QA accuracy per category vs blind and swapped",

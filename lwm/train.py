@@ -1,7 +1,8 @@
 """The training loop behind `lwm train`.
 
-Builds the mesh, initialises (or loads, or resumes) parameters already sharded, and runs the
-jitted, buffer-donating training step. Checkpoints go through an orbax `CheckpointManager`
+On the mesh its caller built, initialises (or loads, or resumes) parameters already sharded,
+reads batches from the loader of `lwm.train_data` and runs the jitted, buffer-donating training
+step (`lwm.train_step`). Checkpoints go through an orbax `CheckpointManager`
 (asynchronous saves every ``train.save_every`` steps, ``max_to_keep``, and a save on
 SIGTERM/SIGINT); each holds parameters, optimizer state and, as JSON, the step and the data
 loader's position. Rerunning the same command resumes from the newest checkpoint that restores
@@ -23,12 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import jax
-import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from data.batches import Loader, SyntheticTokenLoader
-from data.tokens import EOF_ID, EOV_ID
 from lwm.attention.layout import zigzag_permutation
 from lwm.base.mesh import MeshError, check_batch_fits
 from lwm.base.metrics import MetricsWriter
@@ -39,6 +37,7 @@ from lwm.runs import (
     restore_newest,
     save_checkpoint,
 )
+from lwm.train_data import TrainingError, build_loader
 from lwm.train_step import (
     abstract_train_state,
     batch_sharding,
@@ -47,65 +46,10 @@ from lwm.train_step import (
 )
 
 
-class TrainingError(RuntimeError):
-    """The run cannot go on (non-finite loss, no usable checkpoint...); the message says why."""
-
-
 @dataclass
 class TrainResult:
     step: int  # steps completed
     stopped_by: str | None  # None, or the signal name that interrupted the run
-
-
-# ----------------------------------------------------------------------------------------------
-# set-up
-
-
-def build_loader(cfg: Config, seq_len: int, layout: np.ndarray | None) -> Loader:
-    data = cfg.data
-    common = dict(
-        batch_size=cfg.train.batch_size,
-        seq_len=seq_len,
-        process_index=jax.process_index(),
-        process_count=jax.process_count(),
-        layout=layout,
-    )
-    if data.source == "synthetic":
-        return SyntheticTokenLoader(
-            text_vocab_size=cfg.model.text_vocab_size, seed=data.shuffle_seed, **common
-        )
-    from data.loader import TokenDatasetLoader  # the `lwm tokenize` datasets
-
-    loader = TokenDatasetLoader(
-        data.source,
-        split=data.split,
-        seed=data.shuffle_seed,
-        pack=data.pack,
-        read_threads=data.read_threads,
-        prefetch=data.prefetch,
-        **common,
-    )
-    codes = int((loader.metadata.get("vqgan") or {}).get("codebook_size", 0))
-    if cfg.model.vision_codes and codes > cfg.model.vision_codes:
-        raise TrainingError(
-            f"dataset '{data.source}' was tokenized with a VQGAN of {codes} codes, but "
-            f"model.vision_codes is {cfg.model.vision_codes}"
-        )
-    markers = loader.metadata.get("markers") or {}
-    ours = {"eof": EOF_ID, "eov": EOV_ID}
-    if any(markers.get(k, v) != v for k, v in ours.items()):
-        found = {k: markers.get(k) for k in ours}
-        raise TrainingError(
-            f"dataset '{data.source}' marks frames with {found}, but this version's token stream "
-            f"uses {ours} (data.tokens): tokenize it again"
-        )
-    vocab = int(loader.metadata["text_tokenizer"]["vocab_size"])
-    if vocab > cfg.model.text_vocab_size:
-        raise TrainingError(
-            f"dataset '{data.source}' was tokenized with a text vocabulary of {vocab} tokens, "
-            f"but model.text_vocab_size is {cfg.model.text_vocab_size}"
-        )
-    return loader
 
 
 # ----------------------------------------------------------------------------------------------

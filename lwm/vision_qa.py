@@ -153,6 +153,23 @@ class TrainingInputs(dict):
         return cls({k: v for k, v in found.items() if v is not None})
 
 
+def load_language_model(model: str, *, config: str | None = None, mesh=None, log=print):
+    """``(config, model)`` for ``model``: ``run:DIR`` (an `lwm train` output, its own config),
+    or a `lwm.weights.load_model` source with the model ``config`` file."""
+    from lwm.config import load_config
+    from lwm.weights import detect_format, load_model
+
+    fmt, location = detect_format(model)
+    if fmt == "run":  # the run's own config says how its dataset was made
+        from lwm.runs import load_run
+
+        return load_run(location, mesh=mesh, log=log)
+    if not config:
+        raise ValueError("a model config is needed with a --model that is not run:DIR")
+    cfg = load_config(config)
+    return cfg, load_model(model, cfg.model, mesh=mesh)
+
+
 def load_video_qa(
     model: str,
     *,
@@ -168,19 +185,7 @@ def load_video_qa(
     """A `VideoQA` for ``model`` (``run:DIR``, or a `lwm.weights.load_model` source with the
     model ``config`` file), and what its training dataset records. The VQGAN, the tokenizer and
     the frame sampling default to the training dataset's; ``options`` go to `VideoQA`."""
-    from lwm.config import load_config
-    from lwm.weights import detect_format, load_model
-
-    fmt, location = detect_format(model)
-    if fmt == "run":  # the run's own config says how its dataset was made
-        from lwm.runs import load_run
-
-        cfg, lm = load_run(location, mesh=mesh, log=log)
-    else:
-        if not config:
-            raise ValueError("a model config is needed with a --model that is not run:DIR")
-        cfg = load_config(config)
-        lm = load_model(model, cfg.model, mesh=mesh)
+    cfg, lm = load_language_model(model, config=config, mesh=mesh, log=log)
     inputs = TrainingInputs.of(cfg.data.source)
     if max_frames is None and fps is None and "dataset" in inputs:
         log(

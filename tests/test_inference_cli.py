@@ -1,5 +1,6 @@
 """The inference commands on a tiny trained run: `lwm eval needle` writes its JSON lines and
-heatmap, `lwm chat` answers several turns from one cache; their bad input is one line."""
+heatmap, `lwm chat` answers several turns from one cache, `lwm generate` writes clips the
+VQGAN decoded; their bad input is one line."""
 
 from __future__ import annotations
 
@@ -16,10 +17,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> Path:
-    """One step of the debug model with the project's 4,096-token text vocabulary."""
+    """One step of the debug model with the project's 4,096-token text vocabulary; its vision
+    head scores the 64 codes of the tests' tiny VQGAN."""
     run = tmp_path_factory.mktemp("tiny") / "run"
     args = ["--config", str(ROOT / "configs/debug.yaml"), "train.steps=1", "train.progress=false"]
-    args += ["model.text_vocab_size=4096", "model.max_seq_len=512"]
+    args += ["model.text_vocab_size=4096", "model.max_seq_len=512", "model.vision_codes=64"]
     args += [f"train.output_dir={run}", "train.batch_size=8", "train.seq_len=64"]
     args += ["train.peak_flops=1e9"]
     assert lwm(["train", *args]) == 0
@@ -64,3 +66,41 @@ def test_chat_answers_every_turn_and_reports_a_full_context(run, monkeypatch, ca
     assert err.startswith("lwm chat: error: the conversation needs") and "holds 32" in err
     assert lwm([*chat, "--video", "missing.mp4"]) == 2
     assert "lwm chat: error:" in capsys.readouterr().err
+
+
+def test_generate_writes_clips_of_the_asked_frames(run, tmp_path, capsys):
+    from PIL import Image
+    from tokenize_helpers import save_tiny_vqgan
+
+    from lwm.base.media import read_video
+
+    vqgan = save_tiny_vqgan(tmp_path / "vqgan")
+    gen = ["generate", "--model", f"run:{run}", "--vqgan", str(vqgan), "--prompt", "A red circle."]
+    clip = tmp_path / "clip.mp4"
+    assert (
+        lwm([*gen, "--frames", "3", "--samples", "2", "--cfg-scale", "2", "--out", str(clip)]) == 0
+    )
+    lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    paths = [tmp_path / "clip-0.mp4", tmp_path / "clip-1.mp4"]
+    assert [x["out"] for x in lines] == [str(p) for p in paths] and not clip.exists()
+    for path in paths:
+        assert read_video(path).shape == (3, 16, 16, 3)  # the tiny VQGAN's 16x16 frames
+    png = tmp_path / "frame.png"
+    assert lwm([*gen, "--frames", "1", "--out", str(png)]) == 0
+    assert Image.open(png).size == (16, 16)
+    capsys.readouterr()
+    # bad input: one line, exit 2, nothing written
+    assert lwm([*gen, "--frames", "2", "--out", str(tmp_path / "two.png")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"lwm generate: error: --out '{tmp_path / 'two.png'}' is a PNG, which holds one frame; "
+        "--frames is 2"
+    )
+    assert lwm([*gen, "--out", str(tmp_path / "none" / "c.mp4")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert (
+        lwm([*gen[:-4], "--vqgan", str(tmp_path / "missing"), "--prompt", "x", "--out", str(clip)])
+        == 2
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("lwm generate: error:") and "missing" in err[-1]
+    assert not clip.exists() and not (tmp_path / "two.png").exists()

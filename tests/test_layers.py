@@ -6,6 +6,7 @@ API only (`import vqgan` / `from vqgan import ...`)."""
 from __future__ import annotations
 
 import ast
+import os
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,8 +24,15 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ),
     (
         "training, inference and evaluation",
-        ("lwm.train", "lwm.train_step", "lwm.generate", "lwm.vision_qa", "lwm.qa_eval")
-        + ("lwm.needle", "lwm.chat"),
+        (
+            "lwm.train",
+            "lwm.train_data",
+            "lwm.train_step",
+            "lwm.generate",
+            "lwm.vision_qa",
+            "lwm.qa_eval",
+        )
+        + ("lwm.needle", "lwm.chat", "lwm.text_to_video"),
     ),
     ("commands", ("lwm.commands", "lwm.cli", "lwm.__main__")),
 ]
@@ -113,3 +121,75 @@ def test_vision_ids_have_one_owner() -> None:
             if isinstance(node, ast.Constant) and node.value in (8192, 8193, 8448):
                 literals.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value}")
     assert not literals, "vision ids written outside data/tokens.py:\n" + "\n".join(literals)
+
+
+OWNER_PROBE = """
+import json
+import jax, jax.numpy as jnp, numpy as np
+import data.tokens
+from data.batches import SyntheticTokenLoader
+from lwm.config import load_config
+from lwm.generate import Sampling, generate
+from lwm.model import create_model
+from lwm.train_data import TrainingError, check_dataset
+
+cfg = load_config("debug.yaml").model.model_copy(update={"vision_codes": 16})
+model = create_model(cfg)
+out = {"owner": data.tokens.__file__}
+out["span"] = data.tokens.vision_span(np.zeros((2, 1, 2), np.int32)).tolist()
+tokens = jnp.zeros((1, 3), jnp.int32)
+gen, _ = generate(model, tokens, jnp.zeros((1, 3), bool), jnp.asarray([3]),
+                  key=jax.random.key(0), mode="vision", sampling=Sampling(temperature=1.0),
+                  tokens_per_frame=2, num_frames=2)
+out["generated"] = np.asarray(gen)[0].tolist()
+out["head"] = np.asarray(model.vision_head_ids())[-2:].tolist()
+loader = SyntheticTokenLoader(batch_size=1, seq_len=512, text_vocab_size=256, seed=0)
+batch = next(iter(loader))
+out["synthetic"] = sorted({int(t) for t, v in zip(batch["tokens"].ravel(), batch["vision_mask"].ravel()) if v and t >= 8192})
+meta = {"markers": {"eof": 8192, "eov": 8193}, "text_tokenizer": {"vocab_size": 10}}
+try:
+    check_dataset("old-ids", meta, cfg)
+    out["check"] = "accepted"
+except TrainingError as e:
+    out["check"] = str(e)
+print(json.dumps(out))
+"""
+
+
+def test_the_marker_ids_change_in_one_place(tmp_path: Path) -> None:
+    # Moving <eof>/<eov> in data/tokens.py alone (in a copy of the tree) moves them in what
+    # tokenize writes, what the synthetic loader makes, what generation forces, what the
+    # vision head scores, and makes the loader refuse a dataset marked with the old ids.
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    for package in PACKAGES:
+        shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("*.pyc"))
+    shutil.copy(ROOT / "configs" / "debug.yaml", tmp_path / "debug.yaml")
+    tokens = tmp_path / "data" / "tokens.py"
+    text = tokens.read_text()
+    for old, new in (("EOF_ID = 8192", "EOF_ID = 8300"), ("EOV_ID = 8193", "EOV_ID = 8301")):
+        assert old in text, f"data/tokens.py no longer defines {old}"
+        text = text.replace(old, new)
+    tokens.write_text(text)
+    run = subprocess.run(
+        [sys.executable, "-c", OWNER_PROBE],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(tmp_path), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert Path(out["owner"]).resolve() == tokens.resolve()
+    assert out["span"] == [0, 0, 8300, 0, 0, 8301]  # what tokenize writes
+    assert out["generated"][2] == 8300 and out["generated"][5] == 8301  # what generation forces
+    assert out["head"] == [8300, 8301]  # what the vision head scores
+    assert out["synthetic"] and set(out["synthetic"]) <= {8300, 8301}  # the synthetic loader
+    assert (
+        "{'eof': 8192, 'eov': 8193}" in out["check"]
+        and "{'eof': 8300, 'eov': 8301}" in out["check"]
+    )  # the loader refuses a dataset marked with the old ids

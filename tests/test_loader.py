@@ -190,7 +190,7 @@ def test_training_refuses_a_dataset_with_other_markers_or_vocabularies(tmp_path)
     # (data.tokens) and the model's before the first step.
     from data.tokens import EOF_ID, EOV_ID
     from lwm.config import load_config
-    from lwm.train import TrainingError, build_loader
+    from lwm.train_data import TrainingError, build_loader
 
     def dataset(name, **metadata):
         path = write_dataset(tmp_path / name, LENGTHS[:4], shards=1)

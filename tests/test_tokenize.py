@@ -140,10 +140,11 @@ def test_manifest_qa_image_text_and_llama_tokenizer(tmp_path, media, vqgan_dir, 
     out = tmp_path / "tokens"
     code = lwm(
         ["tokenize", "--input", str(manifest), "--output", str(out), "--vqgan", str(vqgan_dir)]
-        + ["--tokenizer", str(llama), "--fps", "4", *FAST]
+        + ["--tokenizer", str(llama), "--fps", "4", "--text-first-ratio", "1", *FAST]
     )
     err = capsys.readouterr().err
     assert code == 0, err
+    assert json.loads((out / "metadata.json").read_text())["text_first_ratio"] == 1.0
     assert (tmp_path / "tokens.errors.txt").read_text() == (
         f"{tmp_path / 'missing.mp4'}: file not found\n" * 2
     )
@@ -188,6 +189,13 @@ def test_manifest_qa_image_text_and_llama_tokenizer(tmp_path, media, vqgan_dir, 
 
     assert image["num_frames"] == 1 and image["kind"] == b"image"
     check_vision_span(image, codec, 1)
+    # --text-first-ratio 1: every captioned video (the image too) is written caption first
+    for record, caption in ((image, "A grey picture."), (captioned, "The same video.")):
+        start, end = vision_spans(record)[0]
+        before = start - len(codec.vision_start)
+        assert codec.tokenizer.decode(np.asarray(record["tokens"])[:before]) == f"<s> {caption}"
+        assert np.asarray(record["tokens"])[end + len(codec.vision_end)] == codec.eos_id
+        assert np.asarray(record["loss_mask"])[1:].all()  # everything but BOS is learned
     assert text["num_frames"] == 0 and not np.asarray(text["vision_mask"]).any()
     assert codec.tokenizer.decode(text["tokens"]) == "<s> Two shapes on a dark background.</s>"
 

@@ -10,7 +10,15 @@ import pytest
 
 from data.decode import sample_indices
 from data.manifest import Item, ManifestError, QATurn, read_inputs
-from data.tokens import EOF_ID, EOV_ID, TextCodec, build_example, vision_span
+from data.tokens import (
+    EOF_ID,
+    EOV_ID,
+    TextCodec,
+    build_example,
+    text_first,
+    text_to_video_prompt_streams,
+    vision_span,
+)
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +57,36 @@ def test_caption_record(codec):
     assert t.tolist() == expected + caption + [codec.eos_id]
     assert v.sum() == 3 * 5 and v[1 + len(codec.vision_start)]
     assert loss.tolist() == [0] + [1] * (len(t) - 1)
+
+
+def test_caption_first_record_and_its_generation_prompt(codec):
+    codes = np.arange(2 * 2 * 2).reshape(2, 2, 2)
+    ex = build_example(codec, codes, text="A red circle.", text_first=True)
+    t, v, loss = ex["tokens"], ex["vision_mask"], ex["loss_mask"]
+    caption = codec.encode("A red circle.")
+    span = [*codec.vision_start, *vision_span(codes), *codec.vision_end]
+    assert t.tolist() == [codec.bos_id, *caption, *span, codec.eos_id]
+    assert v.tolist() == [False] * (1 + len(caption) + 1) + [True] * 10 + [False, False]
+    assert loss.tolist() == [0] + [1] * (len(t) - 1)
+    # the prompt of text-to-video is this record up to and including <vision>
+    tokens, vision = text_to_video_prompt_streams(codec, "A red circle.")
+    n = len(tokens)
+    assert tokens.tolist() == t[:n].tolist() and t[n] == 0 and not vision.any()
+    uncond, _ = text_to_video_prompt_streams(codec, None)
+    assert uncond.tolist() == [codec.bos_id, *codec.vision_start]
+    # text_first is ignored where there is no caption or no video
+    qa = [{"question": "How many?", "answer": "two"}]
+    assert build_example(codec, codes, qa=qa, text_first=True)["tokens"].tolist() == (
+        build_example(codec, codes, qa=qa)["tokens"].tolist()
+    )
+
+
+def test_text_first_picks_the_asked_fraction_evenly():
+    for ratio in (0.0, 0.25, 0.5, 1.0):
+        picked = [text_first(i, ratio) for i in range(1000)]
+        assert abs(sum(picked) - 1000 * ratio) <= 2
+        assert abs(sum(picked[:100]) - 100 * ratio) <= 2  # spread, not bunched
+    assert [text_first(i, 0.5) for i in range(8)] == [text_first(i, 0.5) for i in range(8)]
 
 
 def test_qa_record(codec):

@@ -63,17 +63,26 @@ def read_video(path: str | os.PathLike, max_frames: int | None = None) -> np.nda
 def frames_at(reader: object, path: Path, indices: list[int]) -> np.ndarray:
     """Frames ``indices`` of ``path`` as uint8 ``[N, H, W, 3]``, read with its open decord
     ``reader``. For some widths (16, 24, 48) decord copies rows with the decoder's padded line
-    size and fails; those frames are decoded with PyAV instead. A file neither can decode is
-    a `VideoError` naming it."""
+    size and fails; those frames are decoded with PyAV instead. A file neither can decode, or
+    that gives fewer frames than asked, is a `VideoError` naming it."""
     import decord
 
     try:
         frames = reader.get_batch(indices).asnumpy()  # type: ignore[attr-defined]
         if frames.ndim == 4 and frames.shape[-1] == 3:
-            return frames
+            return _check_count(frames, path, indices)
     except decord.DECORDError:
         pass
-    return _read_with_pyav(path, indices)
+    return _check_count(_read_with_pyav(path, indices), path, indices)
+
+
+def _check_count(frames: np.ndarray, path: Path, indices: list[int]) -> np.ndarray:
+    if frames.ndim != 4 or frames.shape[0] != len(indices) or frames.shape[-1] != 3:
+        raise VideoError(
+            f"video '{path}': asked for {len(indices)} frames, the decoder gave shape "
+            f"{frames.shape}"
+        )
+    return frames
 
 
 def _read_with_pyav(path: Path, indices: list[int]) -> np.ndarray:

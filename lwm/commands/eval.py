@@ -36,12 +36,21 @@ from lwm.commands import add_cpu_devices, positive_int
 _SUBPARSERS: dict[str, argparse.ArgumentParser] = {}
 
 
-def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    """The options `lwm ask` and `lwm eval qa` share: which model, how videos become prompts."""
+def add_model_source_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of every verb that runs a trained model: which model, VQGAN, tokenizer and
+    mesh."""
     p.add_argument("--model", required=True, help="run:DIR, or hf:/lwm:/orbax: with --config")
     p.add_argument("--config", help="model config (needed unless --model is run:DIR)")
     p.add_argument("--vqgan", help="VQGAN folder (default: the one of the training dataset)")
     p.add_argument("--tokenizer", help="text tokenizer folder (default: the training dataset's)")
+    p.add_argument("--mesh", help="dp,fsdp,sp,tp to shard the model over (default: 1 device)")
+    add_cpu_devices(p)
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """The options `lwm ask`, `lwm chat` and `lwm eval` share: which model, how videos become
+    prompts, how answers are decoded."""
+    add_model_source_arguments(p)
     p.add_argument(
         "--max-frames",
         type=positive_int,
@@ -52,13 +61,11 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--batch-size", type=positive_int, default=32, help="prompts per generate call")
-    p.add_argument("--mesh", help="dp,fsdp,sp,tp to shard the model over (default: 1 device)")
     p.add_argument(
         "--prefill-chunk",
         type=positive_int,
         help="prefill prompts in chunks of N tokens (bounds memory by the cache, not the prompt)",
     )
-    add_cpu_devices(p)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -79,6 +79,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="records whose video tokens are learned: captioned (and video-only) records, as "
         "LWM (default), all (QA records too), none",
     )
+    parser.add_argument(
+        "--text-first-ratio",
+        type=float,
+        default=0.0,
+        metavar="R",
+        help="write a fraction R of the captioned videos caption first (caption <vision> V "
+        "</vision>), as LWM trains both orders, for text-to-video generation (default 0)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
         "--shard",
@@ -174,6 +182,7 @@ def _run(args: argparse.Namespace) -> int:
         strict=args.strict,
         progress=not args.no_progress,
         video_loss=args.video_loss,
+        text_first_ratio=args.text_first_ratio,
         shard=args.shard,
     )
     # The VQGAN splits each chunk of frames over this process's devices (one mesh, built here).

@@ -1,0 +1,74 @@
+"""The data `lwm train` reads: the loader its config asks for (`data.source`: synthetic tokens
+or an `lwm tokenize` dataset), checked against the model before the first step: the dataset's
+frame markers must be this version's (`data.tokens`), and its text vocabulary and VQGAN
+codebook must fit the model's tables."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from data.batches import Loader, SyntheticTokenLoader
+from data.tokens import frame_markers
+from lwm.config import Config, ModelConfig
+
+__all__ = ["TrainingError", "build_loader", "check_dataset"]
+
+
+class TrainingError(RuntimeError):
+    """The run cannot go on (non-finite loss, no usable checkpoint...); the message says why."""
+
+
+def build_loader(cfg: Config, seq_len: int, layout: np.ndarray | None) -> Loader:
+    data = cfg.data
+    common = dict(
+        batch_size=cfg.train.batch_size,
+        seq_len=seq_len,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+        layout=layout,
+    )
+    if data.source == "synthetic":
+        return SyntheticTokenLoader(
+            text_vocab_size=cfg.model.text_vocab_size, seed=data.shuffle_seed, **common
+        )
+    from data.loader import TokenDatasetLoader  # the `lwm tokenize` datasets
+
+    loader = TokenDatasetLoader(
+        data.source,
+        split=data.split,
+        seed=data.shuffle_seed,
+        pack=data.pack,
+        read_threads=data.read_threads,
+        prefetch=data.prefetch,
+        **common,
+    )
+    check_dataset(data.source, loader.metadata, cfg.model)
+    return loader
+
+
+def check_dataset(source: str, metadata: dict[str, Any], model: ModelConfig) -> None:
+    """Refuse (`TrainingError`, naming both sides) a dataset whose frame markers are not this
+    version's or whose text vocabulary or VQGAN codebook does not fit ``model``'s tables."""
+    codes = int((metadata.get("vqgan") or {}).get("codebook_size", 0))
+    if model.vision_codes and codes > model.vision_codes:
+        raise TrainingError(
+            f"dataset '{source}' was tokenized with a VQGAN of {codes} codes, but "
+            f"model.vision_codes is {model.vision_codes}"
+        )
+    markers = metadata.get("markers") or {}
+    ours = frame_markers()
+    if any(markers.get(k, v) != v for k, v in ours.items()):
+        found = {k: markers.get(k) for k in ours}
+        raise TrainingError(
+            f"dataset '{source}' marks frames with {found}, but this version's token stream "
+            f"uses {ours} (data.tokens): tokenize it again"
+        )
+    vocab = int(metadata["text_tokenizer"]["vocab_size"])
+    if vocab > model.text_vocab_size:
+        raise TrainingError(
+            f"dataset '{source}' was tokenized with a text vocabulary of {vocab} tokens, "
+            f"but model.text_vocab_size is {model.text_vocab_size}"
+        )
