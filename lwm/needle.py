@@ -43,8 +43,10 @@ __all__ = [
     "NeedleReport",
     "evaluate_needles",
     "needle_video",
+    "side_by_side",
     "text_cases",
     "video_cases",
+    "write_needle_videos",
 ]
 
 DEFAULT_HAYSTACK = Path(__file__).with_name("haystack.txt")
@@ -188,13 +190,15 @@ def needle_video(
     size: int = 32,
     clip_frames: int = 4,
     needle_frames: int = 1,
+    needle_radius: tuple[float, float] | None = None,
     **world: Any,
 ) -> tuple[np.ndarray, str, range]:
     """A long video: ``frames`` frames of consecutive synthetic clips of ``seed`` (without
     needles of their own), and one needle (a shape in a colour that no shape of the video has)
     in frames ``[start, start + needle_frames)``, ``start`` at ``depth`` of the video. Returns
     uint8 frames ``[frames, size, size, 3]``, the expected answer and the needle's frames.
-    ``world``: `data.synthetic.sample_video`'s ``max_objects``, ``radius``, ``travel``."""
+    ``world``: `data.synthetic.sample_video`'s ``max_objects``, ``radius``, ``travel``;
+    ``needle_radius``: the needle's radius range (default: the shapes' ``radius``)."""
     from data.synthetic import PALETTE, SHAPES, render_video, sample_video, shape_mask
     from data.synthetic import with_article as article
 
@@ -214,7 +218,7 @@ def needle_video(
         if index > 100 * frames:
             raise ValueError(f"no clips of seed {seed} avoid the colour {colour}")
     video = np.concatenate(parts)[:frames].copy()
-    lo, hi = world.get("radius", (0.12, 0.16))
+    lo, hi = needle_radius or world.get("radius", (0.12, 0.16))
     radius = float(rng.uniform(lo, hi)) * size
     margin = 1.3 * radius + 1
     x, y = (float(v) for v in rng.uniform(margin, size - margin, 2))
@@ -223,6 +227,43 @@ def needle_video(
     for t in range(start, start + needle_frames):
         video[t][mask] = PALETTE[colour]
     return video, f"{article(colour)} {shape}", range(start, start + needle_frames)
+
+
+def write_needle_videos(
+    out: str | Path,
+    *,
+    count: int,
+    frames: int,
+    seed: int,
+    fps: int = 4,
+    progress: bool = False,
+    **video: Any,
+) -> Path:
+    """Training data for video needle retrieval: ``count`` MP4s of `needle_video` (``video``:
+    its options) under ``OUT/videos``, video ``i`` made from clips of seed ``seed + i`` with its
+    needle at a depth drawn uniformly, and ``OUT/manifest.jsonl`` asking each what appeared
+    briefly (category ``needle``), the input of `lwm tokenize`. Seeds at or above 1,000 never
+    meet `video_cases`' (``seed * 1000 + sample``, for small seeds and samples)."""
+    from lwm.base.files import write_jsonl
+    from lwm.base.media import write_mp4
+
+    out = Path(out)
+    (out / "videos").mkdir(parents=True, exist_ok=True)
+    lines = []
+    indices: Any = range(count)
+    if progress:
+        from tqdm import tqdm
+
+        indices = tqdm(indices, desc="needle videos", unit="video")
+    for i in indices:
+        depth = float(np.random.default_rng([seed + i, 11]).uniform())
+        clip, expected, _ = needle_video(frames, depth, seed=seed + i, **video)
+        rel = f"videos/{i:05d}.mp4"
+        write_mp4(out / rel, clip, fps=fps, pix_fmt="yuv444p")
+        turn = {"question": VIDEO_QUESTION, "answer": expected, "category": "needle"}
+        lines.append({"video": rel, "qa": [turn]})
+    write_jsonl(out / "manifest.jsonl", lines)
+    return out / "manifest.jsonl"
 
 
 def video_cases(
@@ -300,6 +341,15 @@ class NeedleReport:
 
         write_jsonl(path, [*self.rows, {"summary": self.summary()}])
 
+    @classmethod
+    def read_jsonl(cls, path: str | Path) -> NeedleReport:
+        """The report `write_jsonl` wrote."""
+        import json
+
+        rows = [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]
+        rows = [r for r in rows if "summary" not in r]
+        return cls(rows[0]["kind"] if rows else "", rows)
+
     def table(self) -> str:
         """Accuracy per depth (rows) and length (columns), as text."""
         lengths, depths, acc = self.grid()
@@ -313,18 +363,30 @@ class NeedleReport:
 
     def heatmap(self, path: str | Path, *, title: str) -> None:
         """LWM's layout: length on x, depth on y, accuracy as colour (red 0 to green 1)."""
-        import matplotlib
+        side_by_side(path, [(self, title)])
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.colors import LinearSegmentedColormap
 
-        from lwm.base.files import atomic_path
+def side_by_side(path: str | Path, panels: Sequence[tuple[NeedleReport, str]]) -> None:
+    """One PNG of the reports' heatmaps next to each other (LWM's layout, one colour scale),
+    each under its own title: e.g. a model before and after a context-extension stage."""
+    import matplotlib
 
-        lengths, depths, acc = self.grid()
-        cmap = LinearSegmentedColormap.from_list("needle", ["#F0496E", "#EBB839", "#0CD79F"])
-        width = max(5.5, 1.6 + 0.9 * len(lengths))
-        fig, ax = plt.subplots(figsize=(width, 1.8 + 0.45 * len(depths)))
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import LinearSegmentedColormap
+
+    from lwm.base.files import atomic_path
+
+    cmap = LinearSegmentedColormap.from_list("needle", ["#F0496E", "#EBB839", "#0CD79F"])
+    grids = [report.grid() for report, _ in panels]
+    widths = [max(5.5, 1.6 + 0.9 * len(lengths)) for lengths, _, _ in grids]
+    rows = max(len(depths) for _, depths, _ in grids)
+    fig, axes = plt.subplots(
+        1, len(panels), figsize=(sum(widths), 1.8 + 0.45 * rows), squeeze=False
+    )
+    for ax, (report, title), (lengths, depths, acc), width in zip(
+        axes[0], panels, grids, widths, strict=True
+    ):
         image = ax.imshow(acc, cmap=cmap, vmin=0, vmax=1, aspect="auto")
         for i in range(len(depths)):
             for j in range(len(lengths)):
@@ -332,15 +394,15 @@ class NeedleReport:
                     ax.text(j, i, f"{100 * acc[i, j]:.0f}", ha="center", va="center", fontsize=8)
         ax.set_xticks(range(len(lengths)), [str(n) for n in lengths], rotation=45)
         ax.set_yticks(range(len(depths)), [f"{100 * d:.0f}%" for d in depths])
-        ax.set_xlabel("frames" if self.kind == "video" else "context length (tokens)")
+        ax.set_xlabel("frames" if report.kind == "video" else "context length (tokens)")
         ax.set_ylabel("needle depth")
         lines = [textwrap.fill(line, width=int(11 * width)) for line in title.splitlines()]
         ax.set_title("\n".join(lines), fontsize=8)
         fig.colorbar(image, ax=ax, label="accuracy")
-        fig.tight_layout()
-        with atomic_path(path) as tmp:
-            fig.savefig(tmp, dpi=120)
-        plt.close(fig)
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=120)
+    plt.close(fig)
 
 
 def evaluate_needles(qa: Any, cases: Iterable[NeedleCase], log=None) -> NeedleReport:

@@ -8,7 +8,9 @@ device of the prefill, on simulated CPU devices.
 
 Each (sp, length) compiles its own programs (not timed); one timed prefill of ``length`` random
 tokens in chunks of ``--chunk`` into a cache of ``length + --decode`` slots, then ``--decode``
-timed decode steps. One JSON line per measurement.
+timed decode steps. One JSON line per measurement. ``--plan-only``: compile the prefill and
+report its temporary memory and the cache per device without running it (what a context
+needs, at lengths too long to prefill on this machine in reasonable time).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from lwm.generate import decode_step, prefill_chunked  # noqa: E402
 from lwm.model import create_model  # noqa: E402
 
 
-def bench(cfg, sp: int, length: int, chunk: int, steps: int) -> dict:
+def bench(cfg, sp: int, length: int, chunk: int, steps: int, plan_only: bool = False) -> dict:
     mesh = make_mesh(f"1,1,{sp},1", devices=jax.devices()[:sp]) if sp > 1 else None
     model_cfg = cfg.model_copy(
         update={"attention": "ring" if sp > 1 else "blockwise", "max_seq_len": length + steps}
@@ -70,6 +72,19 @@ def bench(cfg, sp: int, length: int, chunk: int, steps: int) -> dict:
     prefill = jax.jit(run_prefill).lower(state, tokens, vision, lens).compile()
     compile_s = time.perf_counter() - t0
     temp = prefill.memory_analysis().temp_size_in_bytes
+    layer = model_cfg.num_kv_heads * model_cfg.head_dim * jnp.dtype(model_cfg.dtype).itemsize
+    cache_bytes = 2 * model_cfg.num_layers * max_len * layer // max(sp, 1)
+    planned = {
+        "bench": "generate",
+        "sp": sp,
+        "context": length,
+        "chunk": chunk,
+        "prefill_temp_bytes_per_device": temp,
+        "cache_bytes_per_device": int(cache_bytes),
+        "compile_s": round(compile_s, 1),
+    }
+    if plan_only:  # compiled, not run: what the context needs per device
+        return {**planned, "planned_only": True}
     t0 = time.perf_counter()
     cache, _ = jax.block_until_ready(prefill(state, tokens, vision, lens))
     prefill_s = time.perf_counter() - t0
@@ -78,18 +93,11 @@ def bench(cfg, sp: int, length: int, chunk: int, steps: int) -> dict:
     t0 = time.perf_counter()
     jax.block_until_ready(decode(state, cache, start))
     decode_s = time.perf_counter() - t0
-    cache_bytes = sum(x.size * x.dtype.itemsize for x in cache) // max(sp, 1)
     return {
-        "bench": "generate",
-        "sp": sp,
-        "context": length,
-        "chunk": chunk,
+        **planned,
         "prefill_s": round(prefill_s, 3),
         "prefill_tokens_per_s": round(length / prefill_s, 1),
         "decode_ms_per_token": round(1e3 * decode_s / steps, 2),
-        "prefill_temp_bytes_per_device": temp,
-        "cache_bytes_per_device": int(cache_bytes),
-        "compile_s": round(compile_s, 1),
     }
 
 
@@ -100,11 +108,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sp", default="1,4", help="sp device counts (each length runs on each)")
     p.add_argument("--chunk", type=int, default=1024)
     p.add_argument("--decode", type=int, default=32, help="decode steps timed")
+    p.add_argument(
+        "--plan-only",
+        action="store_true",
+        help="compile the prefill and report its memory per device, without running it",
+    )
     args = p.parse_args(argv)
     cfg = load_config(args.config).model
     for sp in (int(s) for s in args.sp.split(",")):
         for length in (int(n) for n in args.lengths.split(",")):
-            print(json.dumps(bench(cfg, sp, length, args.chunk, args.decode)), flush=True)
+            result = bench(cfg, sp, length, args.chunk, args.decode, args.plan_only)
+            print(json.dumps(result), flush=True)
     return 0
 
 

@@ -30,28 +30,19 @@ import json
 import math
 import os
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from steps import run_step  # scripts/steps.py
+
 # The demo's world: 32x32 frames, 1-2 shapes large enough for 8x8 codes to tell them apart.
 WORLD = ["--size", "32", "--radius", "0.12,0.16", "--travel", "0.3,0.45", "--max-objects", "2"]
 WORLD += ["--no-captions"]
 
 
 def run(cmd: list[str], *, env: dict[str, str], capture: bool = False) -> str:
-    print(f"\n$ {shlex.join(cmd)}", flush=True)
-    t0 = time.perf_counter()
-    result = subprocess.run(
-        cmd, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE if capture else None
-    )
-    if result.returncode != 0:
-        print(f"demo: step failed (exit {result.returncode}): {shlex.join(cmd)}", file=sys.stderr)
-        sys.exit(result.returncode)
-    print(f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
-    return result.stdout or ""
+    return run_step(cmd, "demo", env=env, capture=capture)
 
 
 def main() -> int:
@@ -62,7 +53,7 @@ def main() -> int:
     p.add_argument("--frames", type=int, default=4, help="frames per video")
     p.add_argument("--vqgan-steps", type=int, default=500)
     p.add_argument("--lm-steps", type=int, default=300)
-    p.add_argument("--eval-every", type=int, default=100, help="held-out QA during training")
+    p.add_argument("--eval-every", type=int, default=150, help="held-out QA during training")
     p.add_argument("--mesh", default="1,2,4,1", help="dp,fsdp,sp,tp of the world model")
     args = p.parse_args()
 

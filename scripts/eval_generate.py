@@ -14,7 +14,9 @@ in 4). Side by side, as every learning claim here is reported:
 - ``unconditional``: the same model, prompted without the caption (BOS, <vision>): the input
   removed, scored against the same captions;
 - ``blind``: always the most frequent colour and direction of the training videos
-  (--train-videos), a baseline that never sees the prompt.
+  (--train-videos), a baseline that never sees the prompt;
+- ``reconstructed``: the held-out videos themselves through the VQGAN (encode, decode), the
+  ceiling that codes of this VQGAN allow.
 
 One JSON line per prompt and condition, then a summary line per condition, go to --out (or
 stdout); the table goes to stderr.
@@ -42,14 +44,13 @@ def read_specs(path: str) -> list[dict]:
 
 
 def prompts_of(specs: list[dict]) -> list[dict]:
-    """The one-shape, needle-free videos: their caption, colour and direction."""
+    """The one-shape, needle-free videos: their caption, colour, direction and file."""
     out = []
     for s in specs:
         if len(s["objects"]) == 1 and s["needle"] is None:
             o = s["objects"][0]
-            out.append(
-                {"caption": s["caption"], "colour": o["colour"], "direction": o["direction"]}
-            )
+            fields = {"caption": s["caption"], "colour": o["colour"], "direction": o["direction"]}
+            out.append({**fields, "video": s["video"]})
     return out
 
 
@@ -114,6 +115,15 @@ def main() -> int:
             records.append(
                 {"condition": condition, **q, **score_clip(clip, q["colour"], q["direction"])}
             )
+    from lwm.base.media import read_video
+
+    folder = Path(args.videos).parent
+    for q in prompts:
+        real = read_video(folder / q["video"])[: args.frames]
+        clip = gen.vqgan.decode(gen.vqgan.encode(real[None]))[0]
+        records.append(
+            {"condition": "reconstructed", **q, **score_clip(clip, q["colour"], q["direction"])}
+        )
     if args.train_videos:
         train = prompts_of(read_specs(args.train_videos))
         colour = Counter(t["colour"] for t in train).most_common(1)[0][0]

@@ -22,24 +22,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from steps import run_step  # scripts/steps.py
+
 WORLD = ["--size", "32", "--radius", "0.12,0.16", "--travel", "0.3,0.45", "--max-objects", "1"]
 
 
 def run(cmd: list[str]) -> None:
-    print(f"\n$ {shlex.join(cmd)}", flush=True)
-    t0 = time.perf_counter()
-    code = subprocess.run(cmd, cwd=ROOT).returncode
-    if code != 0:
-        print(f"text_to_video: step failed (exit {code}): {shlex.join(cmd)}", file=sys.stderr)
-        sys.exit(code)
-    print(f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
+    run_step(cmd, "text_to_video")
 
 
 def main() -> int:

@@ -159,3 +159,38 @@ def test_video_cases_prompt_with_every_frame(codec):
     right = NeedleCase("video", 8, 0.25, 0, case.prompts, case.expected, case.questions)
     assert evaluate_needles(Says(case.expected[0].upper() + "."), [right]).rows[0]["score"] == 1
     assert evaluate_needles(Says("nothing"), [right]).rows[0]["score"] == 0
+
+
+def test_needle_training_videos_report_round_trip_and_side_by_side(tmp_path, codec):
+    import json
+
+    from lwm.base.media import read_video
+    from lwm.needle import NeedleReport, side_by_side, write_needle_videos
+
+    video = dict(size=32, clip_frames=4, needle_frames=2, max_objects=1, needle_radius=(0.25, 0.3))
+    manifest = write_needle_videos(tmp_path / "v", count=2, frames=8, seed=1000, **video)
+    lines = [json.loads(x) for x in manifest.read_text().splitlines()]
+    assert [x["video"] for x in lines] == ["videos/00000.mp4", "videos/00001.mp4"]
+    for i, line in enumerate(lines):
+        (turn,) = line["qa"]
+        assert turn["question"] == "What appeared briefly?" and turn["category"] == "needle"
+        depth = float(np.random.default_rng([1000 + i, 11]).uniform())
+        frames, expected, _ = needle_video(8, depth, seed=1000 + i, **video)
+        assert turn["answer"] == expected
+        decoded = read_video(tmp_path / "v" / line["video"])
+        assert decoded.shape == frames.shape
+        assert np.abs(decoded.astype(int) - frames).mean() < 4  # the same frames, H.264 4:4:4
+    # a needle of radius 0.25-0.3 of 32 px covers more than the default 0.12-0.16 allows
+    big, expected, where = needle_video(8, 0.5, seed=3, **video)
+    colour = expected.split()[1]
+    from data.synthetic import PALETTE
+
+    assert (big[where.start] == PALETTE[colour]).all(-1).sum() > np.pi * (0.16 * 32 + 1) ** 2
+
+    cases = text_cases(codec, lengths=[300, 600], depths=[0.0, 1.0])
+    report = evaluate_needles(Oracle(codec, reach=0.7), cases)
+    report.write_jsonl(tmp_path / "r.jsonl")
+    again = NeedleReport.read_jsonl(tmp_path / "r.jsonl")
+    assert again.kind == report.kind and again.rows == report.rows
+    side_by_side(tmp_path / "both.png", [(report, "before"), (again, "after")])
+    assert (tmp_path / "both.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

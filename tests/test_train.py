@@ -248,20 +248,9 @@ def test_next_context_stage_starts_from_previous_run(tmp_path):
     )
     assert r.returncode == 0, r.stderr
     assert f"initialising from run:{stage1}" in r.stderr
-    # Stage 2 starts from the trained weights: its first loss is below a fresh model's.
-    fresh = tmp_path / "fresh"
-    assert (
-        lwm_train_here(
-            fresh,
-            "train.steps=1",
-            "mesh.shape=1,1,8,1",
-            "train.seq_len=128",
-            "model.max_seq_len=128",
-            "model.rope_theta=100000.0",
-        ).returncode
-        == 0
-    )
-    assert losses(stage2)[1] < losses(fresh)[1]
+    # Stage 2 starts from the trained weights: its first loss is below a fresh model's (stage
+    # 1's first step, on the same synthetic token distribution).
+    assert losses(stage2)[1] < losses(stage1)[1] - 0.25
 
 
 def _free_port() -> int:
@@ -275,7 +264,7 @@ def test_two_processes_equal_one(reference, tmp_path):
     port = _free_port()
     args = (
         "train.steps=12",
-        "train.save_every=3",
+        "train.save_every=6",
         "mesh.shape=1,2,2,2",
         f"distributed.coordinator_address=127.0.0.1:{port}",
         "distributed.num_processes=2",
@@ -288,6 +277,7 @@ def test_two_processes_equal_one(reference, tmp_path):
         _, err = p.communicate(timeout=600)
         assert p.returncode == 0, err
     got = losses(tmp_path)
+    assert sorted(got) == list(range(1, 13))
     for step in range(1, 13):
         assert got[step] == pytest.approx(reference[step], rel=1e-6), step
     shutil.rmtree(tmp_path, ignore_errors=True)

@@ -106,6 +106,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--radius", type=_numbers(float), default=[0.12, 0.16], help="video: shape radius range"
     )
+    p.add_argument(
+        "--needle-radius",
+        type=_numbers(float),
+        help="video: the needle's radius range (default: --radius)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="folder for needle-KIND.jsonl and .png")
     _SUBPARSERS["needle"] = p
@@ -213,6 +218,7 @@ def _needle(args: argparse.Namespace) -> int:
                 needle_frames=args.needle_frames,
                 max_objects=args.max_objects,
                 radius=tuple(args.radius),
+                needle_radius=tuple(args.needle_radius) if args.needle_radius else None,
             )
         else:
             multi = args.kind == "multi"

@@ -1,0 +1,167 @@
+"""A context-extension run that shows it: video needle retrieval across lengths, before and after
+a longer-context stage, as LWM shows its stages (needle heatmaps over length x depth).
+
+    python scripts/long_context.py --vqgan runs/demo/vqgan          # the demo's VQGAN
+    python scripts/long_context.py --out runs/long_context --stage1-steps 600 --stage2-steps 300
+
+Each step is a command a user would type (printed before it runs), skipped or resumed when its
+output exists:
+
+ 1. needle videos (`lwm.needle.write_needle_videos`): long videos of the demo's 32x32 world made
+    of synthetic clips, each with one needle (a shape in a colour no other shape has, for
+    --needle-frames frames) at a depth drawn per video, asked "What appeared briefly?";
+    --short-frames frames for stage 1, --long-frames for stage 2 (seeds evaluation never uses);
+ 2. the VQGAN: --vqgan, or `lwm vqgan train` as the demo trains it;
+ 3. `lwm tokenize --video-loss all` of both sets (the model learns the frames too, as the
+    demo's does, and the answers);
+ 4. stage 1: `lwm train` (configs/demo.yaml: ring attention over sp, zigzag) at
+    --stage1-seq tokens, which hold a --short-frames video;
+ 5. `lwm eval needle --kind video` on lengths of 1x, 4x and 16x the short videos: the heatmap
+    shows where retrieval breaks beyond the trained context;
+ 6. stage 2: `lwm train train.init_from=run:STAGE1` at --stage2-seq tokens (a --long-frames
+    video), `model.rope_theta` times --theta-factor, on the long videos;
+ 7. the same evaluation, and both heatmaps side by side (``needle-before-after.png``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import sys
+import time
+from pathlib import Path
+
+from steps import ROOT, run_step  # scripts/steps.py
+
+sys.path.insert(0, str(ROOT))
+
+WORLD = {"size": 32, "radius": (0.12, 0.16), "travel": (0.3, 0.45), "max_objects": 2}
+
+
+def run(cmd: list[str]) -> None:
+    run_step(cmd, "long_context")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="runs/long_context")
+    p.add_argument("--vqgan", help="a trained VQGAN folder (default: train one, as the demo)")
+    p.add_argument("--vqgan-steps", type=int, default=500)
+    p.add_argument("--short-frames", type=int, default=15, help="frames of stage 1's videos")
+    p.add_argument("--long-frames", type=int, default=60, help="frames of stage 2's videos")
+    p.add_argument("--short-videos", type=int, default=1500)
+    p.add_argument("--long-videos", type=int, default=400)
+    p.add_argument("--clip-frames", type=int, default=4, help="frames per synthetic clip")
+    p.add_argument("--needle-frames", type=int, default=2)
+    p.add_argument("--needle-radius", default="0.2,0.25", help="the needle's radius range")
+    p.add_argument("--stage1-seq", type=int, default=1024)
+    p.add_argument("--stage2-seq", type=int, default=4096)
+    p.add_argument("--stage1-steps", type=int, default=400)
+    p.add_argument("--stage2-steps", type=int, default=150)
+    p.add_argument("--stage2-batch", type=int, default=2)
+    p.add_argument("--theta-factor", type=float, default=4.0, help="stage 2's rope_theta x")
+    p.add_argument("--samples", type=int, default=2, help="needle videos per heatmap cell")
+    p.add_argument("--mesh", default="1,2,4,1", help="dp,fsdp,sp,tp of the world model")
+    args = p.parse_args()
+
+    from lwm.config import load_config
+    from lwm.needle import NeedleReport, side_by_side, write_needle_videos
+
+    out = Path(args.out)
+    lwm = [sys.executable, "-m", "lwm"]
+    cpu = ["--cpu-devices", str(math.prod(int(n) for n in args.mesh.split(",")))]
+    needle_radius = tuple(float(x) for x in args.needle_radius.split(","))
+    video = dict(
+        clip_frames=args.clip_frames,
+        needle_frames=args.needle_frames,
+        needle_radius=needle_radius,
+        **WORLD,
+    )
+    start = time.perf_counter()
+
+    # 1. needle videos for both stages
+    sets = {"short": (args.short_frames, args.short_videos, 1000)}
+    sets["long"] = (args.long_frames, args.long_videos, 1_000_000)
+    for name, (frames, count, seed) in sets.items():
+        folder = out / "videos" / name
+        if not (folder / "manifest.jsonl").is_file():
+            print(f"\n# {count} needle videos of {frames} frames -> {folder}", flush=True)
+            write_needle_videos(
+                folder, count=count, frames=frames, seed=seed, progress=True, **video
+            )
+
+    # 2. the VQGAN
+    vqgan = Path(args.vqgan) if args.vqgan else out / "vqgan"
+    if not args.vqgan:
+        run(
+            [*lwm, "vqgan", "train", *cpu, "--config", "configs/vqgan/demo.yaml"]
+            + [f"train.output_dir={vqgan}", f"train.steps={args.vqgan_steps}"]
+            + [f"data.manifest={out / 'videos' / 'short' / 'manifest.jsonl'}"]
+        )
+
+    # 3. token datasets
+    for name in sets:
+        tokens = out / "tokens" / name
+        if not tokens.is_dir():
+            run(
+                [*lwm, "tokenize", "--input", str(out / "videos" / name / "manifest.jsonl")]
+                + ["--output", str(tokens), "--vqgan", str(vqgan), "--video-loss", "all", *cpu]
+            )
+
+    # 4. stage 1 at the short context
+    stage1, stage2 = out / "stage1", out / "stage2"
+    train = [*lwm, "train", *cpu, "--config", "configs/demo.yaml", f"mesh.shape={args.mesh}"]
+    run(
+        [*train, f"data.source={out / 'tokens' / 'short'}", f"train.output_dir={stage1}"]
+        + [f"train.seq_len={args.stage1_seq}", f"model.max_seq_len={args.stage1_seq}"]
+        + [f"train.steps={args.stage1_steps}"]
+    )
+
+    # 5, 7. the video needle on 1x, 4x, 16x the short videos, before and after stage 2
+    lengths = [args.short_frames, 4 * args.short_frames, 16 * args.short_frames]
+    lengths = sorted({*lengths, args.long_frames})
+
+    def evaluate(model: Path, name: str) -> Path:
+        target = out / name
+        if not (target / "needle-video.jsonl").is_file():
+            run(
+                [*lwm, "eval", "needle", "--model", f"run:{model}", "--kind", "video"]
+                + ["--lengths", ",".join(map(str, lengths)), "--samples", str(args.samples)]
+                + ["--clip-frames", str(args.clip_frames)]
+                + ["--needle-frames", str(args.needle_frames)]
+                + ["--needle-radius", args.needle_radius, "--max-new-tokens", "8"]
+                + ["--prefill-chunk", "1024", "--batch-size", str(5 * args.samples)]
+                + ["--out", str(target)]
+            )
+        return target / "needle-video.jsonl"
+
+    before = evaluate(stage1, "needle_before")
+
+    # 6. stage 2 at the long context, from stage 1's weights
+    theta = load_config("configs/demo.yaml").model.rope_theta * args.theta_factor
+    run(
+        [*train, f"data.source={out / 'tokens' / 'long'}", f"train.output_dir={stage2}"]
+        + [f"train.init_from=run:{stage1}", f"model.rope_theta={theta}"]
+        + [f"train.seq_len={args.stage2_seq}", f"model.max_seq_len={args.stage2_seq}"]
+        + [f"train.steps={args.stage2_steps}", f"train.batch_size={args.stage2_batch}"]
+    )
+    after = evaluate(stage2, "needle_after")
+
+    png = out / "needle-before-after.png"
+    grid = f"video needle, {args.samples} per cell, {datetime.date.today().isoformat()}"
+    panels = [
+        (NeedleReport.read_jsonl(before), f"run:{stage1}: {args.stage1_seq} tokens "
+         f"({args.short_frames} frames), {args.stage1_steps} steps\n{grid}"),
+        (NeedleReport.read_jsonl(after), f"run:{stage2}: {args.stage2_seq} tokens "
+         f"({args.long_frames} frames), rope_theta {theta:g}, +{args.stage2_steps} steps\n{grid}"),
+    ]  # fmt: skip
+    side_by_side(png, panels)
+    for report, title in panels:
+        print(f"\n{title}\n{report.table()}")
+    print(f"\nlong_context: done in {time.perf_counter() - start:.0f} s; heatmaps: {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
