@@ -44,9 +44,9 @@ def main() -> int:
     p.add_argument("--vqgan", help="a trained VQGAN folder (default: train one, as the demo)")
     p.add_argument("--vqgan-steps", type=int, default=500)
     p.add_argument("--text-first-ratio", type=float, default=0.5)
-    p.add_argument("--lm-steps", type=int, default=300)
+    p.add_argument("--lm-steps", type=int, default=900)
     p.add_argument("--mesh", default="1,2,4,1", help="dp,fsdp,sp,tp of the world model")
-    p.add_argument("--cfg-scale", type=float, default=1.0)
+    p.add_argument("--cfg-scale", type=float, default=2.0)
     args = p.parse_args()
 
     out = Path(args.out)

@@ -63,6 +63,37 @@ def test_train_step_compiles_from_abstract_sharded_state():
     assert args <= 1.1 * (planned.params + planned.optimizer + batch_bytes) + 4096, (args, planned)
 
 
+def _loss_and_grads(batch, **update):
+    from lwm.train_step import loss_fn
+
+    cfg = load_config("configs/debug.yaml").model.model_copy(
+        update={"attention": "ring", "block_q": 4, "block_k": 4, **update}
+    )
+    graphdef, params = nnx.split(create_model(cfg, mesh=make_mesh("1,1,8,1")), nnx.Param)
+    grad = jax.jit(jax.value_and_grad(lambda p, b, g=graphdef: loss_fn(p, g, b), has_aux=True))
+    (loss, metrics), grads = grad(params, batch)
+    return loss, metrics, jax.tree.leaves(grads)
+
+
+@pytest.fixture(scope="module")
+def full_logits():
+    """A batch whose rows train on the second half of every document only (as a QA record
+    trains on its answers), and the loss, metrics and gradients with every logit computed."""
+    from data.batches import SyntheticTokenLoader
+    from lwm.attention.layout import zigzag_permutation
+
+    batch = next(
+        SyntheticTokenLoader(
+            batch_size=2, seq_len=64, text_vocab_size=256, layout=zigzag_permutation(64, 8)
+        )
+    )
+    w = np.asarray(batch["target_weight"]).copy()
+    w[:, ::2] = 0
+    batch = dict(batch, target_weight=w)
+    assert (w > 0).sum(axis=1).max() <= 32
+    return batch, _loss_and_grads(batch)
+
+
 @pytest.mark.parametrize(
     "options",
     [
@@ -71,37 +102,14 @@ def test_train_step_compiles_from_abstract_sharded_state():
         {"loss_positions": 32, "logits_chunk_size": 8},
     ],
 )
-def test_chunked_or_gathered_logits_loss_equals_full_logits_loss(options):
+def test_chunked_or_gathered_logits_loss_equals_full_logits_loss(full_logits, options):
     """logits_chunk_size computes the same loss and gradients without all logits at once;
     loss_positions computes the heads only where rows are trained (here: half the tokens of
     every row are trained, so 32 positions hold all text targets)."""
     import jax.numpy as jnp
 
-    from data.batches import SyntheticTokenLoader
-    from lwm.attention.layout import zigzag_permutation
-    from lwm.train_step import loss_fn
-
-    mesh = make_mesh("1,1,8,1")
-    batch = next(
-        SyntheticTokenLoader(
-            batch_size=2, seq_len=64, text_vocab_size=256, layout=zigzag_permutation(64, 8)
-        )
-    )
-    # Train on the second half of every document only, as a QA record trains on its answers.
-    w = np.asarray(batch["target_weight"]).copy()
-    w[:, ::2] = 0
-    batch = dict(batch, target_weight=w)
-    assert (w > 0).sum(axis=1).max() <= 32
-    results = []
-    for update in ({}, options):
-        cfg = load_config("configs/debug.yaml").model.model_copy(
-            update={"attention": "ring", "block_q": 4, "block_k": 4, **update}
-        )
-        graphdef, params = nnx.split(create_model(cfg, mesh=mesh), nnx.Param)
-        grad = jax.jit(jax.value_and_grad(lambda p, b, g=graphdef: loss_fn(p, g, b), has_aux=True))
-        (loss, metrics), grads = grad(params, batch)
-        results.append((loss, metrics, jax.tree.leaves(grads)))
-    (l0, m0, g0), (l1, m1, g1) = results
+    batch, (l0, m0, g0) = full_logits
+    l1, m1, g1 = _loss_and_grads(batch, **options)
     assert abs(float(l1) - float(l0)) <= 1e-6 * abs(float(l0))
     assert float(m1.get("targets_dropped", 0)) == 0
     for key in m0:

@@ -29,7 +29,10 @@ from lwm.base.mesh import BATCH_AXES, SEQUENCE_AXIS
 F32 = jnp.float32
 
 
-BLOCK = 512  # cache slots per step of the loop over the filled part of the cache
+# Scores per step of the loop over the filled part of the cache: a block holds this many
+# (query, slot) pairs, e.g. 512 slots for a prefill chunk of 1,024 tokens; one new token reads
+# its whole slice at once (a loop over small blocks costs more than it skips).
+BLOCK_SCORES = 512 * 1024
 
 
 def _block_size(s_local: int, block: int) -> int:
@@ -49,32 +52,46 @@ def decode_attention_local(
     kv_positions: jax.Array,
     axis_name: str | None = SEQUENCE_AXIS,
     scale: float | None = None,
-    block: int = BLOCK,
+    block: int | None = None,
 ) -> jax.Array:
     """Per-device part of `ring_decode_attention`; call inside `shard_map` (or with
     ``axis_name=None`` on one device). ``k_cache``/``v_cache`` are this device's slice
     ``[batch, cache/sp, kv_heads, head_dim]``; ``kv_positions`` its positions.
 
-    The slice is read in blocks of ``block`` slots with an online softmax (float32 running
-    max and sum), and only the blocks that hold a filled slot (below the longest row's
-    ``cache_len``) are read: a prompt chunk or a new token costs what the filled cache holds,
-    not the cache's size, and the temporaries are one block's."""
+    The slice is read in blocks of ``block`` slots (default: ``BLOCK_SCORES`` / new tokens)
+    with an online softmax (float32 running max and sum), and only the blocks that hold a
+    filled slot (below the longest row's ``cache_len``) are read: a prompt chunk costs what the
+    filled cache holds, not the cache's size, and the temporaries are one block's."""
     b, tq, h, d = q.shape
     s_local, kvh = k_cache.shape[1], k_cache.shape[2]
     scale = d**-0.5 if scale is None else scale
     offset = 0 if axis_name is None else lax.axis_index(axis_name) * s_local
-    size = _block_size(s_local, block)
-    filled = jnp.clip(jnp.max(cache_len) - offset, 0, s_local)
-    blocks = (filled + size - 1) // size
+    size = _block_size(s_local, block or max(1, BLOCK_SCORES // tq))
     qg = q.reshape(b, tq, kvh, h // kvh, d)
 
-    def body(carry):
-        i, m, lsum, acc = carry
-        at = i * size
-        k = lax.dynamic_slice_in_dim(k_cache, at, size, axis=1)
-        v = lax.dynamic_slice_in_dim(v_cache, at, size, axis=1)
-        kv_pos = lax.dynamic_slice_in_dim(kv_positions, at, size, axis=1)
-        slot = offset + at + jnp.arange(size, dtype=jnp.int32)
+    if size == s_local:  # one block: the slice directly (no loop, no slicing, no rescaling)
+        slot = offset + jnp.arange(s_local, dtype=jnp.int32)
+        s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k_cache, preferred_element_type=F32) * scale
+        mask = attention_mask(q_positions, kv_positions, None, None, causal=True)
+        mask = mask & (slot[None, None, :] < cache_len[:, None, None])
+        s = jnp.where(mask[:, None, None], s, -jnp.inf)
+        m = jnp.max(s, axis=-1)
+        if axis_name is not None:
+            m = lax.pmax(m, axis_name)
+        m_safe = jnp.where(jnp.isneginf(m), 0.0, m)
+        p = jnp.exp(s - m_safe[..., None])
+        lsum = jnp.sum(p, axis=-1)
+        acc = jnp.einsum(
+            "bhgqk,bkhd->bhgqd", p.astype(v_cache.dtype), v_cache, preferred_element_type=F32
+        )
+        if axis_name is not None:
+            lsum, acc = lax.psum((lsum, acc), axis_name)
+        return _finish(acc, lsum, q)
+
+    filled = jnp.clip(jnp.max(cache_len) - offset, 0, s_local)
+    blocks = (filled + size - 1) // size
+
+    def attend(m, lsum, acc, k, v, kv_pos, slot):
         s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=F32) * scale
         mask = attention_mask(q_positions, kv_pos, None, None, causal=True)
         mask = mask & (slot[None, None, :] < cache_len[:, None, None])
@@ -85,7 +102,16 @@ def decode_attention_local(
         correction = jnp.exp(jnp.where(jnp.isneginf(m), m_safe, m) - m_safe)
         lsum = lsum * correction + jnp.sum(p, axis=-1)
         pv = jnp.einsum("bhgqk,bkhd->bhgqd", p.astype(v.dtype), v, preferred_element_type=F32)
-        return i + 1, m_new, lsum, acc * correction[..., None] + pv
+        return m_new, lsum, acc * correction[..., None] + pv
+
+    def body(carry):
+        i, *stats = carry
+        at = i * size
+        k, v, kv_pos = (
+            lax.dynamic_slice_in_dim(x, at, size, axis=1) for x in (k_cache, v_cache, kv_positions)
+        )
+        slot = offset + at + jnp.arange(size, dtype=jnp.int32)
+        return i + 1, *attend(*stats, k, v, kv_pos, slot)
 
     stats = (b, kvh, h // kvh, tq)
     # the loop's carry varies over every mesh axis its inputs vary over (check_vma)
@@ -102,8 +128,12 @@ def decode_attention_local(
         m_safe = jnp.where(jnp.isneginf(m_all), 0.0, m_all)
         correction = jnp.exp(jnp.where(jnp.isneginf(m), m_safe, m) - m_safe)
         lsum, acc = lax.psum((lsum * correction, acc * correction[..., None]), axis_name)
+    return _finish(acc, lsum, q)
+
+
+def _finish(acc: jax.Array, lsum: jax.Array, q: jax.Array) -> jax.Array:
     out = acc / jnp.where(lsum == 0, 1.0, lsum)[..., None]
-    return out.transpose(0, 3, 1, 2, 4).reshape(b, tq, h, d).astype(q.dtype)
+    return out.transpose(0, 3, 1, 2, 4).reshape(q.shape).astype(q.dtype)
 
 
 def ring_decode_attention(
@@ -119,7 +149,7 @@ def ring_decode_attention(
     batch_axes: str | Sequence[str] | None = BATCH_AXES,
     head_axis: str | None = "tp",
     scale: float | None = None,
-    block: int = BLOCK,
+    block: int | None = None,
 ) -> jax.Array:
     """Attention of ``q [batch, new, heads, head_dim]`` against a cache
     ``[batch, max_len, kv_heads, head_dim]`` sharded over ``axis_name``.
