@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-from steps import run_step  # scripts/steps.py
+from steps import demo_vqgan_command, run_step  # scripts/steps.py
 
 # The demo's world: 32x32 frames, 1-2 shapes large enough for 8x8 codes to tell them apart.
 WORLD = ["--size", "32", "--radius", "0.12,0.16", "--travel", "0.3,0.45", "--max-objects", "2"]
@@ -78,12 +78,7 @@ def main() -> int:
 
     # 2. the VQGAN (resumes from its checkpoints when rerun)
     vqgan = out / "vqgan"
-    run(
-        [*lwm, "vqgan", "train", *cpu, "--config", "configs/vqgan/demo.yaml"]
-        + [f"train.output_dir={vqgan}", f"train.steps={args.vqgan_steps}"]
-        + [f"data.manifest={train_videos}"],
-        env=env,
-    )
+    run(demo_vqgan_command(lwm, cpu, vqgan, args.vqgan_steps, train_videos), env=env)
 
     # 3. the token dataset (resumable; skipped when complete)
     tokens = out / "tokens"

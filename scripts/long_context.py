@@ -32,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-from steps import ROOT, run_step  # scripts/steps.py
+from steps import ROOT, demo_vqgan_command, run_step  # scripts/steps.py
 
 sys.path.insert(0, str(ROOT))
 
@@ -94,11 +94,8 @@ def main() -> int:
     # 2. the VQGAN
     vqgan = Path(args.vqgan) if args.vqgan else out / "vqgan"
     if not args.vqgan:
-        run(
-            [*lwm, "vqgan", "train", *cpu, "--config", "configs/vqgan/demo.yaml"]
-            + [f"train.output_dir={vqgan}", f"train.steps={args.vqgan_steps}"]
-            + [f"data.manifest={out / 'videos' / 'short' / 'manifest.jsonl'}"]
-        )
+        short = out / "videos" / "short" / "manifest.jsonl"
+        run(demo_vqgan_command(lwm, cpu, vqgan, args.vqgan_steps, short))
 
     # 3. token datasets
     for name in sets:

@@ -27,3 +27,15 @@ def run_step(
         sys.exit(result.returncode)
     print(f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
     return result.stdout or ""
+
+
+def demo_vqgan_command(
+    lwm: list[str], cpu: list[str], output: Path, steps: int, manifest: Path
+) -> list[str]:
+    """`lwm vqgan train` of the demo's VQGAN (configs/vqgan/demo.yaml) on ``manifest``'s
+    videos: the step every pipeline script runs when it is given no trained VQGAN."""
+    return (
+        [*lwm, "vqgan", "train", *cpu, "--config", "configs/vqgan/demo.yaml"]
+        + [f"train.output_dir={output}", f"train.steps={steps}"]
+        + [f"data.manifest={manifest}"]
+    )

@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from steps import run_step  # scripts/steps.py
+from steps import demo_vqgan_command, run_step  # scripts/steps.py
 
 WORLD = ["--size", "32", "--radius", "0.12,0.16", "--travel", "0.3,0.45", "--max-objects", "1"]
 
@@ -71,11 +71,7 @@ def main() -> int:
     # 2. the VQGAN
     vqgan = Path(args.vqgan) if args.vqgan else out / "vqgan"
     if not args.vqgan:
-        run(
-            [*lwm, "vqgan", "train", *cpu, "--config", "configs/vqgan/demo.yaml"]
-            + [f"train.output_dir={vqgan}", f"train.steps={args.vqgan_steps}"]
-            + [f"data.manifest={train_dir / 'manifest.jsonl'}"]
-        )
+        run(demo_vqgan_command(lwm, cpu, vqgan, args.vqgan_steps, train_dir / "manifest.jsonl"))
 
     # 3. the token dataset, captions before and after their videos
     tokens = out / "tokens"
