@@ -28,7 +28,9 @@ text only      B text E                                                   everyt
 
 Caption-first records (``text_first=True``; `lwm tokenize --text-first-ratio`) teach the model
 to continue a caption with its video: text-to-video generation prompts with
-``B caption <vision>`` (`text_to_video_prompt_streams`). A caption record trains on its video too (LWM trains on both the frames and the caption of
+``B caption <vision>`` (`text_to_video_prompt_streams`).
+
+A caption record trains on its video too (LWM trains on both the frames and the caption of
 its video-text data); in a QA record the video and the questions are context (loss 0) and only
 the answers (with the EOS that ends each) are learned. The QA prompt is `qa_prompt`, so
 inference can build exactly the prompt the model was trained on.

@@ -20,16 +20,19 @@ Prompts are right-padded ``[batch, prompt]`` arrays with per-row lengths. Two mo
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import partial
 from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from data.tokens import EOF_ID, EOV_ID, NUM_CODES
 from lwm.attention import default_positions
 from lwm.attention.decode import decode_attention_local, ring_decode_attention
+from lwm.base.mesh import batch_devices
 from lwm.model import LWMModel
 
 
@@ -72,6 +75,23 @@ def sample_logits(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.
         )
         logits = jnp.where(keep, logits, -jnp.inf)
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def prompt_batch(
+    prompts: Sequence[tuple[np.ndarray, np.ndarray]], rows: int, width: int, mesh=None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(tokens, vision_mask)`` prompts as one right-padded batch for `generate`: at least
+    ``rows`` rows (a multiple of the mesh's batch devices, which the batch is sharded over) of
+    ``width`` tokens, and each row's prompt length (1 for the padding rows)."""
+    if mesh is not None:
+        data = batch_devices(mesh)
+        rows = -(-rows // data) * data
+    tokens = np.zeros((rows, width), np.int32)
+    vision = np.zeros((rows, width), bool)
+    lengths = np.ones((rows,), np.int32)
+    for i, (t, v) in enumerate(prompts):
+        tokens[i, : len(t)], vision[i, : len(v)], lengths[i] = t, v, len(t)
+    return tokens, vision, lengths
 
 
 def _cache_sharding(model: LWMModel, x: jax.Array) -> jax.Array:

@@ -21,22 +21,12 @@ import jax
 import numpy as np
 
 from data.tokens import TextCodec, text_to_video_prompt_streams
-from lwm.base.mesh import batch_devices
-from lwm.generate import Sampling, generate
+from lwm.generate import Sampling, generate, prompt_batch
 from lwm.model import LWMModel
 
 __all__ = ["VideoGenerator", "load_video_generator"]
 
 SAMPLE = Sampling(temperature=1.0)  # plain sampling, as LWM samples video
-
-
-def _right_pad(streams: Sequence[tuple[np.ndarray, np.ndarray]], rows: int, width: int):
-    tokens = np.zeros((rows, width), np.int32)
-    vision = np.zeros((rows, width), bool)
-    lengths = np.ones((rows,), np.int32)
-    for i, (t, v) in enumerate(streams):
-        tokens[i, : len(t)], vision[i, : len(v)], lengths[i] = t, v, len(t)
-    return tokens, vision, lengths
 
 
 class VideoGenerator:
@@ -78,15 +68,14 @@ class VideoGenerator:
 
     def _batch(self, captions: Sequence[str | None], frames: int, start: int) -> np.ndarray:
         prompts = [text_to_video_prompt_streams(self.codec, c) for c in captions]
-        uncond = text_to_video_prompt_streams(self.codec, None)
-        rows = self.batch_size
-        if self.model.mesh is not None:  # the batch is sharded over (dp, fsdp)
-            data = batch_devices(self.model.mesh)
-            rows = -(-rows // data) * data
+        mesh = self.model.mesh
         width = max(len(t) for t, _ in prompts)
-        tokens, vision, lengths = _right_pad(prompts, rows, width)
+        tokens, vision, lengths = prompt_batch(prompts, self.batch_size, width, mesh)
         guided = self.cfg_scale != 1.0
-        u_tokens, u_vision, u_lengths = _right_pad([uncond] * rows, rows, len(uncond[0]))
+        uncond = (None, None, None)
+        if guided:  # every row's unconditional twin: BOS <vision>
+            t, v = text_to_video_prompt_streams(self.codec, None)
+            uncond = prompt_batch([(t, v)] * len(tokens), len(tokens), len(t), mesh)
         h, w = self.vqgan.codes_shape
         per_frame = h * w
         out, _ = generate(
@@ -101,9 +90,9 @@ class VideoGenerator:
             tokens_per_frame=per_frame,
             num_frames=frames,
             cfg_scale=self.cfg_scale if guided else None,
-            uncond_tokens=u_tokens if guided else None,
-            uncond_vision_mask=u_vision if guided else None,
-            uncond_len=u_lengths if guided else None,
+            uncond_tokens=uncond[0],
+            uncond_vision_mask=uncond[1],
+            uncond_len=uncond[2],
         )
         out = np.asarray(out)[: len(captions)].reshape(len(captions), frames, per_frame + 1)
         return out[:, :, :per_frame].reshape(len(captions), frames, h, w)

@@ -22,8 +22,7 @@ import numpy as np
 from data.decode import DecodeOptions, decode_item
 from data.manifest import Item
 from data.tokens import TextCodec, qa_prompt_streams
-from lwm.base.mesh import batch_devices
-from lwm.generate import GREEDY, Sampling, generate
+from lwm.generate import GREEDY, Sampling, generate, prompt_batch
 from lwm.model import LWMModel
 from lwm.qa_eval import Answer
 
@@ -91,15 +90,7 @@ class VideoQA:
         """Answers to ``(tokens, vision_mask)`` prompts (at most ``batch_size``, one batch)."""
         width = -(-max(len(t) for t, _ in prompts) // self.pad_to) * self.pad_to
         rows = max(self.batch_size, len(prompts))
-        mesh = self.model.mesh
-        if mesh is not None:  # the batch is sharded over (dp, fsdp)
-            data = batch_devices(mesh)
-            rows = -(-rows // data) * data
-        tokens = np.zeros((rows, width), np.int32)
-        vision = np.zeros((rows, width), bool)
-        lengths = np.ones((rows,), np.int32)
-        for i, (t, v) in enumerate(prompts):
-            tokens[i, : len(t)], vision[i, : len(v)], lengths[i] = t, v, len(t)
+        tokens, vision, lengths = prompt_batch(prompts, rows, width, self.model.mesh)
         stops = () if self.codec.eos_id is None else (self.codec.eos_id,)
         out, n = generate(
             self.model,

@@ -118,9 +118,8 @@ def main() -> int:
     from lwm.base.media import read_video
 
     folder = Path(args.videos).parent
-    for q in prompts:
-        real = read_video(folder / q["video"])[: args.frames]
-        clip = gen.vqgan.decode(gen.vqgan.encode(real[None]))[0]
+    real = np.stack([read_video(folder / q["video"])[: args.frames] for q in prompts])
+    for q, clip in zip(prompts, gen.vqgan.decode(gen.vqgan.encode(real)), strict=True):
         records.append(
             {"condition": "reconstructed", **q, **score_clip(clip, q["colour"], q["direction"])}
         )

@@ -2,8 +2,9 @@
 
 Each device attends its own slice of the cache, block by block and only as far as the cache is
 filled, and produces a partial output with float32 softmax statistics (running max and sum);
-one reduction over ``sp`` (pmax, then psum) combines them. The cache never moves between devices, unlike the reference ring implementation, which
-rotates the whole cache around the ring for every generated token.
+one reduction over ``sp`` (pmax, then psum) combines them. The cache never moves between
+devices, unlike the reference ring implementation, which rotates the whole cache around the
+ring for every generated token.
 """
 
 from __future__ import annotations
@@ -69,21 +70,22 @@ def decode_attention_local(
     size = _block_size(s_local, block or max(1, BLOCK_SCORES // tq))
     qg = q.reshape(b, tq, kvh, h // kvh, d)
 
-    if size == s_local:  # one block: the slice directly (no loop, no slicing, no rescaling)
-        slot = offset + jnp.arange(s_local, dtype=jnp.int32)
-        s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k_cache, preferred_element_type=F32) * scale
-        mask = attention_mask(q_positions, kv_positions, None, None, causal=True)
+    def scores(k, kv_pos, slot):  # masked: causal by position, and only filled slots
+        s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=F32) * scale
+        mask = attention_mask(q_positions, kv_pos, None, None, causal=True)
         mask = mask & (slot[None, None, :] < cache_len[:, None, None])
-        s = jnp.where(mask[:, None, None], s, -jnp.inf)
+        return jnp.where(mask[:, None, None], s, -jnp.inf)
+
+    def weighted(p, v):
+        return jnp.einsum("bhgqk,bkhd->bhgqd", p.astype(v.dtype), v, preferred_element_type=F32)
+
+    if size == s_local:  # one block: the slice directly (no loop, no slicing, no rescaling)
+        s = scores(k_cache, kv_positions, offset + jnp.arange(s_local, dtype=jnp.int32))
         m = jnp.max(s, axis=-1)
         if axis_name is not None:
             m = lax.pmax(m, axis_name)
-        m_safe = jnp.where(jnp.isneginf(m), 0.0, m)
-        p = jnp.exp(s - m_safe[..., None])
-        lsum = jnp.sum(p, axis=-1)
-        acc = jnp.einsum(
-            "bhgqk,bkhd->bhgqd", p.astype(v_cache.dtype), v_cache, preferred_element_type=F32
-        )
+        p = jnp.exp(s - jnp.where(jnp.isneginf(m), 0.0, m)[..., None])
+        lsum, acc = jnp.sum(p, axis=-1), weighted(p, v_cache)
         if axis_name is not None:
             lsum, acc = lax.psum((lsum, acc), axis_name)
         return _finish(acc, lsum, q)
@@ -92,17 +94,13 @@ def decode_attention_local(
     blocks = (filled + size - 1) // size
 
     def attend(m, lsum, acc, k, v, kv_pos, slot):
-        s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=F32) * scale
-        mask = attention_mask(q_positions, kv_pos, None, None, causal=True)
-        mask = mask & (slot[None, None, :] < cache_len[:, None, None])
-        s = jnp.where(mask[:, None, None], s, -jnp.inf)
+        s = scores(k, kv_pos, slot)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
         p = jnp.exp(s - m_safe[..., None])
         correction = jnp.exp(jnp.where(jnp.isneginf(m), m_safe, m) - m_safe)
         lsum = lsum * correction + jnp.sum(p, axis=-1)
-        pv = jnp.einsum("bhgqk,bkhd->bhgqd", p.astype(v.dtype), v, preferred_element_type=F32)
-        return m_new, lsum, acc * correction[..., None] + pv
+        return m_new, lsum, acc * correction[..., None] + weighted(p, v)
 
     def body(carry):
         i, *stats = carry
