@@ -150,7 +150,7 @@ class LWMModel(nnx.Module):
             q_segment_ids=segment_ids,
             kv_segment_ids=segment_ids,
         )
-        blocks = dict(block_q=cfg.block_q, block_k=cfg.block_k)
+        blocks = dict(block_q=cfg.block_q, block_k=cfg.block_k, kernel=cfg.attention_kernel)
         if cfg.attention == "dense":
             return dense_attention(q, k, v, **kw)
         if cfg.attention == "ring" and self.mesh is not None:

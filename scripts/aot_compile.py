@@ -9,7 +9,9 @@ fits before renting the hardware.
       python scripts/aot_compile.py configs/7b_1m.yaml --topology v5p:8x8x4 --mesh 1,8,32,1
 
 Prints one JSON line with the compiler's per-device sizes (arguments, outputs, temporaries,
-generated code) and the parameter / optimizer bytes per device.
+generated code), its cost analysis (FLOPs and bytes accessed) and the parameter / optimizer
+bytes per device. ``model.attention_kernel=pallas`` compiles the Pallas block kernels (for a
+TPU topology: the Mosaic compiler in libtpu checks them).
 """
 
 from __future__ import annotations
@@ -82,6 +84,9 @@ def main() -> int:
     compiled = lowered.compile()
     t2 = time.perf_counter()
     mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis() or {}
+    if isinstance(cost, list):  # older JAX: one dict per computation
+        cost = cost[0] if cost else {}
     planned = memory_per_device(model_cfg, dict(mesh.shape))
     gib = 2**30
     record = {
@@ -104,6 +109,10 @@ def main() -> int:
         "alias_gib": round(mem.alias_size_in_bytes / gib, 3),
         "params_gib_planned": round(planned.params / gib, 3),
         "adam_gib_planned": round(planned.optimizer / gib, 3),
+        # XLA's cost analysis of the step, per device; a Pallas kernel counts what its
+        # cost estimate says (every tile, an upper bound).
+        "tflops": round(cost.get("flops", 0.0) / 1e12, 3),
+        "bytes_accessed_gib": round(cost.get("bytes accessed", 0.0) / gib, 3),
     }
     record["peak_gib_estimate"] = round(
         record["argument_gib"] + record["output_gib"] - record["alias_gib"] + record["temp_gib"], 3

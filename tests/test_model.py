@@ -115,22 +115,24 @@ def _assert_close(a: dict, b: dict, rtol: float):
 
 
 @pytest.mark.parametrize(
-    "mesh_shape,zigzag,attention",
+    "mesh_shape,zigzag,attention,kernel",
     [
-        ("1,2,2,2", False, "ring"),
-        ("1,1,8,1", True, "ring"),
-        ("1,2,2,2", True, "ring"),
-        ("1,2,2,2", False, "blockwise"),
+        ("1,2,2,2", False, "ring", "xla"),
+        ("1,1,8,1", True, "ring", "xla"),
+        ("1,2,2,2", True, "ring", "xla"),
+        ("1,2,2,2", False, "blockwise", "xla"),
+        ("1,2,2,2", True, "ring", "pallas"),  # remat, scan over layers, the Pallas block kernel
     ],
 )
-def test_sharded_model_equals_dense_on_one_device(mesh_shape, zigzag, attention):
+def test_sharded_model_equals_dense_on_one_device(mesh_shape, zigzag, attention, kernel):
     batch = make_batch(debug_cfg())
     ref_loss, ref_metrics, ref_grads = loss_and_grads(
         create_model(debug_cfg(attention="dense")), batch
     )
     mesh = make_mesh(mesh_shape)
     perm = zigzag_permutation(64, mesh.shape["sp"]) if zigzag else None
-    model = create_model(debug_cfg(attention=attention, block_q=4, block_k=4), mesh=mesh)
+    cfg = debug_cfg(attention=attention, block_q=4, block_k=4, attention_kernel=kernel)
+    model = create_model(cfg, mesh=mesh)
     loss, metrics, grads = loss_and_grads(model, batch, perm)
     assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
     for key in ("text_accuracy", "vision_accuracy", "text_tokens", "vision_tokens"):

@@ -64,23 +64,31 @@ def attention_mask(
     return mask
 
 
-def block_is_live(q_pos, kv_pos, q_seg, kv_seg, causal: bool, xp=jnp):
-    """Whether a (query block, key block) pair may hold an unmasked entry.
-
-    Conservative: from the ranges of positions and segment ids in each block, so it never skips
-    a needed block; exact for contiguous causal blocks. Works on jnp (traced) or np arrays.
-    Returns a Python ``True`` when nothing can be masked, so callers can drop the branch.
-    """
-    live = True
-    if causal:
-        live = xp.max(q_pos) >= xp.min(kv_pos)
-    if q_seg is not None:
-        overlap = (xp.max(q_seg) >= xp.min(kv_seg)) & (xp.max(kv_seg) >= xp.min(q_seg))
-        live = overlap if live is True else live & overlap
-    return live
-
-
 DEAD, PARTIAL, FULL = 0, 1, 2
+
+
+def block_is_live(q_pos, kv_pos, q_seg, kv_seg, causal: bool, xp=jnp):
+    """Whether a (query block, key block) pair may hold an unmasked entry (`block_kind` is not
+    `DEAD`). Works on jnp (traced) or np arrays; a Python ``True`` when nothing can be masked."""
+    kind = block_kind(q_pos, kv_pos, q_seg, kv_seg, causal, xp)
+    return True if kind is FULL else kind != DEAD
+
+
+def _kind_from_ranges(q_lo, q_hi, k_lo, k_hi, segs, causal: bool, xp):
+    """`block_kind` from the ranges of positions (and of segment ids: ``segs`` = ``(q_lo, q_hi,
+    k_lo, k_hi)`` or None) of the query and key blocks; elementwise over arrays of ranges."""
+    live = full = True
+    if causal:
+        live, full = q_hi >= k_lo, q_lo >= k_hi
+    if segs is not None:
+        qs_lo, qs_hi, ks_lo, ks_hi = segs
+        overlap = (qs_hi >= ks_lo) & (ks_hi >= qs_lo)
+        same = (qs_lo == qs_hi) & (ks_lo == ks_hi) & (qs_lo == ks_lo)
+        live = overlap if live is True else live & overlap
+        full = same if full is True else full & same
+    if live is True and full is True:
+        return FULL
+    return xp.where(live, xp.where(full, FULL, PARTIAL), DEAD)
 
 
 def block_kind(q_pos, kv_pos, q_seg, kv_seg, causal: bool, xp=jnp):
@@ -88,17 +96,27 @@ def block_kind(q_pos, kv_pos, q_seg, kv_seg, causal: bool, xp=jnp):
     and segment ids: `DEAD` (nothing: skip it), `FULL` (everything: no mask needed) or
     `PARTIAL`. Conservative: FULL and DEAD are only claimed when certain. Returns a Python
     `FULL` when nothing can be masked at all, so callers can drop the branches."""
-    if not causal and q_seg is None:
-        return FULL
-    live = block_is_live(q_pos, kv_pos, q_seg, kv_seg, causal, xp)
-    full = True
-    if causal:
-        full = xp.min(q_pos) >= xp.max(kv_pos)
+    segs = None
     if q_seg is not None:
-        one = (xp.min(q_seg) == xp.max(q_seg)) & (xp.min(kv_seg) == xp.max(kv_seg))
-        same = one & (xp.min(q_seg) == xp.min(kv_seg))
-        full = same if full is True else full & same
-    return xp.where(live, xp.where(full, FULL, PARTIAL), DEAD)
+        segs = (xp.min(q_seg), xp.max(q_seg), xp.min(kv_seg), xp.max(kv_seg))
+    ranges = (xp.min(q_pos), xp.max(q_pos), xp.min(kv_pos), xp.max(kv_pos))
+    return _kind_from_ranges(*ranges, segs, causal, xp)
+
+
+def kind_table(q_pos, q_seg, kv_pos, kv_seg, causal: bool) -> jax.Array:
+    """`block_kind` of every (query block, key block) pair as int32 ``[batch, nq, nk]``, from
+    blocked positions and segment ids (``[nq, batch, block_q]`` and ``[nk, batch, block_k]``)."""
+
+    def ranges(x, side):
+        lo, hi = jnp.min(x, axis=-1).T, jnp.max(x, axis=-1).T  # [batch, n]
+        return (lo[:, :, None], hi[:, :, None]) if side == "q" else (lo[:, None], hi[:, None])
+
+    segs = None
+    if q_seg is not None:
+        segs = (*ranges(q_seg, "q"), *ranges(kv_seg, "k"))
+    kind = _kind_from_ranges(*ranges(q_pos, "q"), *ranges(kv_pos, "k"), segs, causal, jnp)
+    shape = (q_pos.shape[1], q_pos.shape[0], kv_pos.shape[0])
+    return jnp.broadcast_to(jnp.asarray(kind, jnp.int32), shape)
 
 
 def default_positions(batch: int, seq: int) -> jax.Array:

@@ -59,6 +59,8 @@ class Spec(NamedTuple):
     block_k: int
     precision: lax.Precision | None
     kv_len: int  # keys and values per call (per device under ring attention), before padding
+    kernel: str = "xla"  # "xla" (this module) or "pallas" (`lwm.attention.pallas`)
+    interpret: bool = False  # run the Pallas kernels in interpret mode (not on a TPU)
 
 
 def _pad(x: jax.Array | None, axis: int, size: int, value) -> jax.Array | None:

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from lwm.attention import blocks, pallas
 from lwm.attention._common import (
     check_qkv,
     check_segments,
@@ -28,10 +29,8 @@ from lwm.attention.blocks import (
     F32,
     Spec,
     blocks_q,
-    bwd_chunk,
     effective_blocks,
     finalize_stats,
-    fwd_chunk,
     init_stats,
     merge_kv,
     merge_q,
@@ -57,6 +56,11 @@ def _send(tree, axis_name: str, n: int):
     return jax.tree.map(lambda x: lax.ppermute(x, axis_name, perm), tree)
 
 
+def _kernel(spec: Spec):
+    """The block kernel the spec names: the module with ``fwd_chunk`` and ``bwd_chunk``."""
+    return pallas if spec.kernel == "pallas" else blocks
+
+
 def _prepare(q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec: Spec):
     vma = union_vma((q, k, v, q_pos, kv_pos, q_seg, kv_seg))
     # Tie the positions and segment ids to the activations. Otherwise, when attention runs in
@@ -79,6 +83,7 @@ def _forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec: Spec, axis_name: str |
     which are all the backward pass needs."""
     qs, kv, vma = _prepare(q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec)
     own_kv = kv
+    fwd_chunk = _kernel(spec).fwd_chunk
     stats = init_stats(qs, vma)
     n = _axis_size(axis_name)
     if n > 1:
@@ -103,6 +108,7 @@ def _backward(res, dout, spec: Spec, axis_name: str | None):
     rows = jnp.sum(dout.astype(F32) * out.astype(F32), axis=-1, keepdims=True)
     delta = blocks_q(rows, kvh, spec.block_q)[..., 0]
     dq = full(qs.q.shape, 0.0, F32, vma)
+    bwd_chunk = _kernel(spec).bwd_chunk
     n = _axis_size(axis_name)
     if n > 1:
 
@@ -148,6 +154,21 @@ def _core_bwd(spec, axis_name, res, dout):
 attention_core.defvjp(_core_fwd, _core_bwd)
 
 
+KERNELS = ("xla", "pallas", "auto")
+
+
+def resolve_kernel(kernel: str, platform: str | None = None) -> tuple[str, bool]:
+    """The block kernel to run (``"xla"`` or ``"pallas"``) and whether Pallas must interpret
+    (off a TPU), for ``kernel`` in `KERNELS` on ``platform`` (default: JAX's backend).
+    ``auto`` is Pallas on TPUs and XLA elsewhere."""
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown attention kernel '{kernel}'; choose one of {', '.join(KERNELS)}")
+    platform = platform or jax.default_backend()
+    if kernel == "auto":
+        kernel = "pallas" if platform == "tpu" else "xla"
+    return kernel, kernel == "pallas" and platform != "tpu"
+
+
 def prepare_inputs(
     q,
     k,
@@ -162,9 +183,12 @@ def prepare_inputs(
     block_k,
     scale,
     precision,
+    kernel="xla",
+    platform=None,
 ):
     """Validate, fill defaults, and make the static `Spec` (for local shards under ring
     attention: lengths are what one kernel call sees)."""
+    kernel, interpret = resolve_kernel(kernel, platform)
     check_qkv(q, k, v)
     check_segments(q_segment_ids, kv_segment_ids)
     b, sq, _, d = q.shape
@@ -184,6 +208,8 @@ def prepare_inputs(
         block_k=bk,
         precision=precision,
         kv_len=sk,
+        kernel=kernel,
+        interpret=interpret,
     )
     args = (
         q,
@@ -211,10 +237,12 @@ def blockwise_attention(
     block_k: int = 512,
     scale: float | None = None,
     precision: lax.Precision | None = None,
+    kernel: str = "xla",
 ) -> jax.Array:
     """Memory-efficient attention on one device; same semantics as `dense_attention`.
 
     Sequence lengths need not be multiples of the blocks (inputs are padded internally).
+    ``kernel``: the block kernel, ``xla``, ``pallas`` (interpreted off a TPU) or ``auto``.
     """
     args, spec = prepare_inputs(
         q,
@@ -229,6 +257,7 @@ def blockwise_attention(
         block_k=block_k,
         scale=scale,
         precision=precision,
+        kernel=kernel,
     )
     return attention_core(*args, spec, None)
 

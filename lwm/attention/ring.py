@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from lwm.attention._common import check_qkv, default_positions
-from lwm.attention.blockwise import attention_core, prepare_inputs
+from lwm.attention.blockwise import attention_core, prepare_inputs, resolve_kernel
 from lwm.attention.layout import ring_block_size
 from lwm.base.mesh import BATCH_AXES, SEQUENCE_AXIS
 
@@ -38,6 +38,8 @@ def ring_attention_local(
     block_k: int = 512,
     scale: float | None = None,
     precision: lax.Precision | None = None,
+    kernel: str = "xla",
+    platform: str | None = None,
 ) -> jax.Array:
     """Ring attention on local shards; call inside `jax.shard_map` with ``axis_name`` bound
     (``axis_name=None``: the whole sequence is local, i.e. blockwise attention).
@@ -45,6 +47,8 @@ def ring_attention_local(
     Arguments are this device's shards (``[batch, seq/sp, heads, head_dim]``, positions
     ``[batch, seq/sp]``). Positions default to the contiguous layout (shard i holds tokens
     ``i*len .. (i+1)*len-1``); pass the permuted positions when using zigzag or striped layouts.
+    ``kernel``: the block kernel (`lwm.attention.blockwise.KERNELS`) on ``platform`` (default:
+    JAX's backend).
     """
     b, s_local = q.shape[0], q.shape[1]
     ring = axis_name is not None and lax.axis_size(axis_name) > 1
@@ -68,6 +72,8 @@ def ring_attention_local(
         block_k=block_k,
         scale=scale,
         precision=precision,
+        kernel=kernel,
+        platform=platform,
     )
     return attention_core(*args, spec, axis_name)
 
@@ -110,12 +116,18 @@ def ring_attention(
     head_axis: str | None = "tp",
     scale: float | None = None,
     precision: lax.Precision | None = None,
+    kernel: str = "xla",
 ) -> jax.Array:
     """Ring attention on global arrays: sequence over ``axis_name`` (None: not sharded, so
     plain blockwise attention on each batch/head shard), batch over ``batch_axes``,
     heads over ``head_axis`` (axes missing from the mesh are ignored). Same semantics as
-    `dense_attention` on the same (possibly permuted) token order."""
+    `dense_attention` on the same (possibly permuted) token order. ``kernel``: the block
+    kernel, ``xla``, ``pallas`` (interpreted unless the mesh is of TPUs) or ``auto``."""
     check_qkv(q, k, v)
+    platform = mesh.devices.flat[0].platform
+    # An unknown kernel fails here, before tracing. Pallas's interpreter cannot yet evaluate
+    # kernels on values that vary over manual mesh axes: it runs unchecked.
+    interpret = resolve_kernel(kernel, platform)[1]
     if axis_name is not None and axis_name not in mesh.axis_names:
         raise ValueError(
             f"ring attention axis '{axis_name}' is not in the mesh axes {mesh.axis_names}"
@@ -150,6 +162,8 @@ def ring_attention(
         block_k=block_k,
         scale=scale,
         precision=precision,
+        kernel=kernel,
+        platform=platform,
     )
 
     def local(q, k, v, qp, kp, *segs):
@@ -165,5 +179,7 @@ def ring_attention(
             raise ValueError("pass both q_segment_ids and kv_segment_ids, or neither")
         args += [q_segment_ids, kv_segment_ids]
         specs += [t_spec, t_spec]
-    fn = jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=x_spec, check_vma=True)
+    fn = jax.shard_map(
+        local, mesh=mesh, in_specs=tuple(specs), out_specs=x_spec, check_vma=not interpret
+    )
     return fn(*args)
