@@ -174,8 +174,12 @@ def _mm(spec: Spec, subscripts: str, a, b):
 def fwd_chunk(qs: QBlocks, kv: KVBlocks, stats: Stats, spec: Spec) -> Stats:
     """Fold one chunk of keys/values into the running softmax statistics of every query block."""
 
-    def q_step(_, xs):
-        q, qp, qsg, acc, m, lsum = xs
+    def q_step(i, stats):
+        # One query block; its statistics are read from and written back into the loop carry
+        # (updated in place), rather than scanned over as inputs and stacked as new outputs,
+        # which would hold two copies of the accumulator.
+        q, qp = qs.q[i], qs.pos[i]
+        qsg = None if qs.seg is None else qs.seg[i]
 
         def k_step(carry, ys):
             k, v, kp, ksg = ys
@@ -194,11 +198,10 @@ def fwd_chunk(qs: QBlocks, kv: KVBlocks, stats: Stats, spec: Spec) -> Stats:
             kind = block_kind(qp, kp, qsg, ksg, spec.causal)
             return _by_kind(kind, compute, lambda c: c, carry), None
 
-        carry, _ = lax.scan(k_step, (acc, m, lsum), (kv.k, kv.v, kv.pos, kv.seg))
-        return None, carry
+        carry, _ = lax.scan(k_step, tuple(x[i] for x in stats), (kv.k, kv.v, kv.pos, kv.seg))
+        return Stats(*(x.at[i].set(c) for x, c in zip(stats, carry, strict=True)))
 
-    _, out = lax.scan(q_step, None, (qs.q, qs.pos, qs.seg, *stats))
-    return Stats(*out)
+    return lax.fori_loop(0, qs.q.shape[0], q_step, stats)
 
 
 def bwd_chunk(
@@ -207,26 +210,25 @@ def bwd_chunk(
     lse: jax.Array,
     delta: jax.Array,
     kv: KVBlocks,
-    dq: jax.Array,
+    grads: tuple[jax.Array, jax.Array, jax.Array],
     spec: Spec,
-    vma: frozenset[str],
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Gradient contributions of one key/value chunk.
+    """Add one key/value chunk's gradient contributions to ``grads`` = (dQ blocked like the
+    queries, dK and dV blocked like the keys; float32) and return them. The accumulators are
+    loop carries updated in place, so no chunk-sized gradient is made besides them."""
 
-    Returns the updated query-gradient accumulator (blocked like the queries) and this chunk's
-    key and value gradients (blocked like the keys), all float32.
-    """
-    kblock_shape = kv.k.shape[1:]
-    zeros_k = full(kblock_shape, 0.0, F32, vma)
+    def q_step(i, carry):
+        # Every accumulator is a loop carry updated in place, block by block (see `fwd_chunk`).
+        q, do_b, lse_b, delta_b, qp = qs.q[i], do[i], lse[i], delta[i], qs.pos[i]
+        qsg = None if qs.seg is None else qs.seg[i]
 
-    def q_step(carry, xs):
-        dk, dv = carry
-        q, do_b, lse_b, delta_b, qp, qsg, dq_b = xs
+        def k_step(j, carry):
+            dq_b, dk, dv = carry
+            k, v, kp = kv.k[j], kv.v[j], kv.pos[j]
+            ksg = None if kv.seg is None else kv.seg[j]
 
-        def k_step(dq_b, ys):
-            k, v, kp, ksg = ys
-
-            def compute(dq_b, masked):
+            def compute(carry, masked):
+                dq_b, dk, dv = carry
                 s = _scores(q, k, qp, kp, qsg, ksg, spec, masked)
                 p = jnp.exp(s - lse_b[..., None])
                 dp = _mm(spec, "bhgqd,bhkd->bhgqk", do_b, v)
@@ -237,16 +239,17 @@ def bwd_chunk(
                 # whole [q, k] block, which cost more than any one matmul here.
                 dk_c = _mm(spec, "bhgqd,bhgqk->bhdk", q, ds.astype(q.dtype))
                 dv_c = _mm(spec, "bhgqd,bhgqk->bhdk", do_b, p.astype(do_b.dtype))
-                return dq_b, (jnp.swapaxes(dk_c, -1, -2), jnp.swapaxes(dv_c, -1, -2))
+                dk = dk.at[j].add(jnp.swapaxes(dk_c, -1, -2))
+                dv = dv.at[j].add(jnp.swapaxes(dv_c, -1, -2))
+                return dq_b, dk, dv
 
             kind = block_kind(qp, kp, qsg, ksg, spec.causal)
-            return _by_kind(kind, compute, lambda d: (d, (zeros_k, zeros_k)), dq_b)
+            return _by_kind(kind, compute, lambda c: c, carry)
 
-        dq_b, (dk_c, dv_c) = lax.scan(k_step, dq_b, (kv.k, kv.v, kv.pos, kv.seg))
-        return (dk + dk_c, dv + dv_c), dq_b
+        dk, dv, dq = carry
+        dq_b, dk, dv = lax.fori_loop(0, kv.k.shape[0], k_step, (dq[i], dk, dv))
+        return dk, dv, dq.at[i].set(dq_b)
 
-    zeros_kv = full(kv.k.shape, 0.0, F32, vma)
-    (dk, dv), dq = lax.scan(
-        q_step, (zeros_kv, zeros_kv), (qs.q, do, lse, delta, qs.pos, qs.seg, dq)
-    )
+    dq, dk, dv = grads
+    dk, dv, dq = lax.fori_loop(0, qs.q.shape[0], q_step, (dk, dv, dq))
     return dq, dk, dv

@@ -107,25 +107,27 @@ def _backward(res, dout, spec: Spec, axis_name: str | None):
     # delta_i = sum_d dout_id * out_id, per query row, blocked like the queries.
     rows = jnp.sum(dout.astype(F32) * out.astype(F32), axis=-1, keepdims=True)
     delta = blocks_q(rows, kvh, spec.block_q)[..., 0]
-    dq = full(qs.q.shape, 0.0, F32, vma)
     bwd_chunk = _kernel(spec).bwd_chunk
+    grads = (
+        full(qs.q.shape, 0.0, F32, vma),
+        full(kv.k.shape, 0.0, F32, vma),
+        full(kv.k.shape, 0.0, F32, vma),
+    )
     n = _axis_size(axis_name)
     if n > 1:
 
         def step(carry, _):
-            kv, dk, dv, dq = carry
+            kv, grads = carry
             incoming = _send(kv, axis_name, n)
-            dq, dk_c, dv_c = bwd_chunk(qs, do, lse, delta, kv, dq, spec, vma)
+            dq, dk, dv = bwd_chunk(qs, do, lse, delta, kv, grads, spec)
             # The gradients of a chunk travel with it and arrive home after the last step.
-            dk, dv = _send((dk + dk_c, dv + dv_c), axis_name, n)
-            return (incoming, dk, dv, dq), None
+            return (incoming, (dq, *_send((dk, dv), axis_name, n))), None
 
-        zeros_kv = full(kv.k.shape, 0.0, F32, vma)
-        (kv, dk, dv, dq), _ = lax.scan(step, (kv, zeros_kv, zeros_kv, dq), None, length=n - 1)
-        dq, dk_c, dv_c = bwd_chunk(qs, do, lse, delta, kv, dq, spec, vma)
-        dk, dv = _send((dk + dk_c, dv + dv_c), axis_name, n)
+        (kv, grads), _ = lax.scan(step, (kv, grads), None, length=n - 1)
+        dq, dk, dv = bwd_chunk(qs, do, lse, delta, kv, grads, spec)
+        dk, dv = _send((dk, dv), axis_name, n)
     else:
-        dq, dk, dv = bwd_chunk(qs, do, lse, delta, kv, dq, spec, vma)
+        dq, dk, dv = bwd_chunk(qs, do, lse, delta, kv, grads, spec)
     return (
         merge_q(dq, out.shape[1]).astype(out.dtype),
         merge_kv(dk, spec.kv_len).astype(kv.k.dtype),

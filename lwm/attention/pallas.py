@@ -331,10 +331,9 @@ def _dkv_kernel(
         dv_ref[...] = dv_sc[...]
 
 
-def bwd_chunk(qs, do, lse, delta, kv, dq, spec, vma):
-    """`lwm.attention.blocks.bwd_chunk` with the Pallas kernels: the updated query-gradient
-    accumulator and this chunk's key and value gradients (float32, blocked)."""
-    del vma
+def bwd_chunk(qs, do, lse, delta, kv, grads, spec):
+    """`lwm.attention.blocks.bwd_chunk` with the Pallas kernels: this chunk's gradient
+    contributions added to ``grads`` = (dQ, dK, dV), float32, blocked."""
     nq, b, kvh, g, bq, d = qs.q.shape
     nk, bk = kv.k.shape[0], kv.k.shape[-2]
     kinds = kind_table(qs.pos, qs.seg, kv.pos, kv.seg, spec.causal)
@@ -383,7 +382,7 @@ def bwd_chunk(qs, do, lse, delta, kv, dq, spec, vma):
             (qs.q, kv.k, kv.v, do, kv.k, kv.v),
         ),
     )(kinds, qs.q, kv.k, kv.v, do, *stats, *tokens)
-    return dq + dq_c, dk, dv
+    return grads[0] + dq_c, grads[1] + dk, grads[2] + dv
 
 
 __all__ = ["bwd_chunk", "flash_chunk", "fwd_chunk"]
