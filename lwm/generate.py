@@ -2,7 +2,9 @@
 
 The cache is ``[layers, batch, max_len, kv_heads, head_dim]``, sharded like the activations:
 batch over ``(dp, fsdp)``, length over ``sp``, heads over ``tp``. Each decoded token is written
-into its slot in place (a masked select, so no shard moves) and attends the cache with
+into its slot by the device that holds the slot (`ring_write_cache`: a window of the token's
+own length, so no shard moves and a write does not touch the rest of the cache) and attends
+the cache with
 `ring_decode_attention`: every ``sp`` device attends its own slice and one reduction combines
 the partial softmax statistics.
 
@@ -31,7 +33,7 @@ from flax import nnx
 
 from data.tokens import EOF_ID, EOV_ID, NUM_CODES
 from lwm.attention import default_positions
-from lwm.attention.decode import decode_attention_local, ring_decode_attention
+from lwm.attention.decode import decode_attention_local, ring_decode_attention, ring_write_cache
 from lwm.base.mesh import batch_devices
 from lwm.model import LWMModel
 
@@ -173,21 +175,18 @@ def extend(
     start: jax.Array | int,
 ) -> tuple[KVCache, jax.Array]:
     """Feed ``tokens [batch, n]`` at positions ``start .. start + n - 1`` (the same for every
-    row): their keys and values go into those cache slots (a gather of the chunk and a masked
-    select, so no shard of the cache moves) and they attend the cache up to themselves.
+    row): their keys and values go into those cache slots (`ring_write_cache`: each device
+    updates its own slice, O(n)) and they attend the cache up to themselves.
     Returns the cache and their hidden states ``[batch, n, hidden]``."""
     b, n = tokens.shape
     max_len = cache.k.shape[2]
     slot = jnp.arange(max_len, dtype=jnp.int32)
     start = jnp.asarray(start, jnp.int32)
     positions = jnp.broadcast_to(start + jnp.arange(n, dtype=jnp.int32), (b, n))
-    write = ((slot >= start) & (slot < start + n))[None, :, None, None]
-    source = jnp.clip(slot - start, 0, n - 1)  # which new token each slot would take
 
     def attend(q, k, v, layer_cache):
-        k_old, v_old = layer_cache
-        k_cache = jnp.where(write, jnp.take(k.astype(k_old.dtype), source, axis=1), k_old)
-        v_cache = jnp.where(write, jnp.take(v.astype(v_old.dtype), source, axis=1), v_old)
+        k_cache = ring_write_cache(layer_cache[0], k, start, mesh=model.mesh)
+        v_cache = ring_write_cache(layer_cache[1], v, start, mesh=model.mesh)
         if model.mesh is not None:
             o = ring_decode_attention(
                 q, k_cache, v_cache, mesh=model.mesh, cache_len=start + n, q_positions=positions
@@ -219,12 +218,11 @@ def decode_step(
     """Feed one token per row at ``position [batch]``; returns the cache and its hidden state."""
     max_len = cache.k.shape[2]
     slot = jnp.arange(max_len, dtype=jnp.int32)
-    write = (slot[None, :] == position[:, None])[:, :, None, None]
     positions = position[:, None]
 
     def attend(q, k, v, layer_cache):
-        k_cache = jnp.where(write, k.astype(layer_cache[0].dtype), layer_cache[0])
-        v_cache = jnp.where(write, v.astype(layer_cache[1].dtype), layer_cache[1])
+        k_cache = ring_write_cache(layer_cache[0], k, position, mesh=model.mesh)
+        v_cache = ring_write_cache(layer_cache[1], v, position, mesh=model.mesh)
         if model.mesh is not None:
             o = ring_decode_attention(
                 q, k_cache, v_cache, mesh=model.mesh, cache_len=position + 1, q_positions=positions

@@ -4,6 +4,15 @@ transfers to and from the device, reshapes).
 
     python scripts/bench_vqgan.py                                   # LWM's preset at 256x256
     python scripts/bench_vqgan.py --config configs/vqgan/small.yaml --batches 8,32,128
+    python scripts/bench_vqgan.py --compare-lwm                     # ours vs LWM's architecture
+
+``--compare-lwm``: ours (`vqgan.model.VQGAN`, NNX) and LWM's architecture as LWM's code writes
+it (`scripts/lwm_vqgan_reference.py`, linen), with the same weights (ours exported in LWM's
+parameter names), each jitted on the same frames already on the device (float frames in
+[-1, 1] -> codes; codes -> clipped frames), timed round-robin (``--repeats`` rounds, median),
+float32 and bfloat16 (the reference in bfloat16: its parameters and frames cast, as its code
+has no compute-dtype setting). One line per (op, dtype, impl) and one with ours / LWM's
+frames/s.
 
 One JSON line per measurement:
   {"op": "encode", "dtype": "float32", "batch": 2, "device_s": ..., "total_s": ...,
@@ -48,7 +57,13 @@ def main() -> None:
     parser.add_argument("--ops", default="encode,decode")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--mesh", default="1,-1,1,1")
+    parser.add_argument(
+        "--compare-lwm", action="store_true", help="ours vs LWM's architecture, side by side"
+    )
     args = parser.parse_args()
+    if args.compare_lwm:
+        compare_lwm(args)
+        return
 
     base = load_vqgan_config(args.config).model
     mesh = make_mesh(args.mesh)
@@ -101,6 +116,70 @@ def main() -> None:
                     "first_call_s": round(compile_s, 2),
                 }
                 print(json.dumps(row), flush=True)
+
+
+def _compare_one(base, dtype: str, frames, repeats: int) -> dict[tuple[str, str], list[float]]:
+    """Wall times of each (op, impl) for one compute dtype, round-robin."""
+    import jax.numpy as jnp
+    from flax import nnx
+    from lwm_vqgan_reference import LWMVQGAN, ReferenceConfig
+
+    from vqgan.weights import export_lwm_params
+
+    ours = init_model(base.model_copy(update={"dtype": dtype}))
+    ref = LWMVQGAN(ReferenceConfig.from_ours(base))
+    params = jax.tree.map(lambda a: jnp.asarray(a, dtype), export_lwm_params(ours))
+    ref_frames = frames.astype(dtype)
+    ours_enc = nnx.jit(lambda m, x: m.encode(x).codes)
+    ours_dec = nnx.jit(lambda m, c: m.decode_codes(c))
+    ref_enc = jax.jit(lambda p, x: ref.apply({"params": p}, x, method=LWMVQGAN.encode)[1])
+    ref_dec = jax.jit(lambda p, c: ref.apply({"params": p}, c, method=LWMVQGAN.decode))
+    codes = ours_enc(ours, frames)
+    calls = {
+        ("encode", "ours"): lambda: ours_enc(ours, frames),
+        ("encode", "lwm"): lambda: ref_enc(params, ref_frames),
+        ("decode", "ours"): lambda: ours_dec(ours, codes),
+        ("decode", "lwm"): lambda: ref_dec(params, codes),
+    }
+    for fn in calls.values():
+        jax.block_until_ready(fn())  # compile and run once, untimed
+    times: dict[tuple[str, str], list[float]] = {key: [] for key in calls}
+    for _ in range(repeats):
+        for key, fn in calls.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn())
+            times[key].append(time.perf_counter() - start)
+    return times
+
+
+def compare_lwm(args: argparse.Namespace) -> None:
+    import statistics
+
+    import jax.numpy as jnp
+
+    base = load_vqgan_config(args.config).model
+    batch = int(args.batches.split(",")[0])
+    res = base.resolution
+    frames = np.random.default_rng(0).uniform(-1, 1, (batch, res, res, 3))
+    frames = jnp.asarray(frames, jnp.float32)
+    print(json.dumps({"config": args.config, "batch": batch, "compare": "lwm"}), flush=True)
+    for dtype in args.dtypes.split(","):
+        times = _compare_one(base, dtype, frames, args.repeats)
+        for op in ("encode", "decode"):
+            fps = {}
+            for impl in ("ours", "lwm"):
+                t = statistics.median(times[(op, impl)])
+                fps[impl] = batch / t
+                row = {
+                    "op": op,
+                    "dtype": dtype,
+                    "impl": impl,
+                    "batch": batch,
+                    "time_s": round(t, 4),
+                }
+                print(json.dumps({**row, "frames_per_s": round(fps[impl], 3)}), flush=True)
+            ratio = round(fps["ours"] / fps["lwm"], 3)
+            print(json.dumps({"op": op, "dtype": dtype, "ours_vs_lwm": ratio}), flush=True)
 
 
 if __name__ == "__main__":

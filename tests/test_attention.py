@@ -455,3 +455,13 @@ def test_unknown_kernel_is_a_clear_error():
     q, k, v = qkv()
     with pytest.raises(ValueError, match="unknown attention kernel 'cuda'; choose one of xla"):
         ring_attention(q, k, v, mesh=mesh_of((1, 1, 8, 1)), kernel="cuda")
+
+
+def test_pallas_fetch_table_points_dead_tiles_at_the_next_live_block():
+    from lwm.attention.pallas import fetch_table
+
+    kinds = jnp.asarray([[[2, 0, 0, 1, 0], [0, 0, 0, 0, 0], [0, 1, 0, 0, 0]]], jnp.int32)
+    across = [[0, 3, 3, 3, 1], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]
+    within = [[0, 3, 3, 3, 0], [0, 0, 0, 0, 0], [1, 1, 1, 1, 1]]
+    np.testing.assert_array_equal(np.asarray(fetch_table(kinds, across_rows=True))[0], across)
+    np.testing.assert_array_equal(np.asarray(fetch_table(kinds, across_rows=False))[0], within)

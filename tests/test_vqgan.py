@@ -347,6 +347,37 @@ LWM_TINY = dict(
 )  # fmt: skip
 
 
+def _lwm_reference():
+    """`scripts/lwm_vqgan_reference.py`: LWM's linen architecture, re-expressed."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "lwm_vqgan_reference.py"
+    spec = importlib.util.spec_from_file_location("lwm_vqgan_reference", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_ours_equals_lwm_architecture_with_the_same_weights() -> None:
+    """Our NNX VQGAN and LWM's linen architecture, given one set of weights (ours exported in
+    LWM's parameter names), encode to the same codes and decode to the same frames."""
+    ref = _lwm_reference()
+    cfg = VQGANModelConfig(
+        resolution=16, hidden_channels=32, channel_mult=(1, 2), num_res_blocks=1,
+        z_channels=8, num_embeddings=32, embed_dim=8, num_groups=32,
+    )  # fmt: skip
+    ours = init_model(cfg, seed=3)
+    tree = export_lwm_params(ours)
+    lwm = ref.LWMVQGAN(ref.ReferenceConfig.from_ours(cfg))
+    x = jnp.asarray(np.random.default_rng(0).uniform(-1, 1, (2, 16, 16, 3)), jnp.float32)
+    with jax.default_matmul_precision("highest"):
+        _, ref_codes = lwm.apply({"params": tree}, x, method=ref.LWMVQGAN.encode)
+        np.testing.assert_array_equal(np.asarray(ours.encode(x).codes), np.asarray(ref_codes))
+        ref_frames = lwm.apply({"params": tree}, ref_codes, method=ref.LWMVQGAN.decode)
+        np.testing.assert_allclose(ours.decode_codes(ref_codes), ref_frames, atol=1e-5)
+
+
 def test_import_lwm_pickle(tmp_path: Path) -> None:
     tree = _lwm_tree()
     path = tmp_path / "vqgan.pkl"

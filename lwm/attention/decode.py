@@ -202,3 +202,67 @@ def ring_decode_attention(
         check_vma=True,
     )
     return fn(q, k_cache, v_cache, cache_len, q_positions, kv_positions)
+
+
+def write_cache_local(
+    cache: jax.Array, new: jax.Array, start: jax.Array, *, axis_name: str | None = SEQUENCE_AXIS
+) -> jax.Array:
+    """Write ``new [batch, n, kv_heads, head_dim]`` at the global slots ``start[row] ..
+    start[row] + n - 1`` of a cache whose slice on this device is ``cache [batch, cache/sp,
+    ...]``; call inside `shard_map` (or with ``axis_name=None`` on one device).
+
+    Each device reads, updates and writes back one window of ``n`` slots of its own slice
+    (the slots of the chunk that fall into it, if any), so a write costs O(n), not O(cache),
+    and nothing moves between devices. Needs ``n <= cache/sp``."""
+    local_len, n = cache.shape[1], new.shape[1]
+    offset = 0 if axis_name is None else lax.axis_index(axis_name) * local_len
+    new = new.astype(cache.dtype)
+
+    def row(cache, new, start):
+        local = start - offset  # where the chunk starts in this slice; may lie outside it
+        at = jnp.clip(local, 0, local_len - n)  # a window of n slots covering the overlap
+        source = at + jnp.arange(n, dtype=jnp.int32) - local  # the new token of each slot
+        inside = ((source >= 0) & (source < n))[:, None, None]
+        taken = jnp.take(new, jnp.clip(source, 0, n - 1), axis=0)
+        window = lax.dynamic_slice_in_dim(cache, at, n, axis=0)
+        return lax.dynamic_update_slice_in_dim(cache, jnp.where(inside, taken, window), at, 0)
+
+    return jax.vmap(row)(cache, new, start)
+
+
+def ring_write_cache(
+    cache: jax.Array,
+    new: jax.Array,
+    start: jax.Array | int,
+    *,
+    mesh: Mesh | None,
+    axis_name: str = SEQUENCE_AXIS,
+    batch_axes: str | Sequence[str] | None = BATCH_AXES,
+    head_axis: str | None = "tp",
+) -> jax.Array:
+    """`write_cache_local` on a cache ``[batch, max_len, kv_heads, head_dim]`` sharded over
+    ``axis_name`` (``mesh=None``: one device). ``start`` is a scalar or one slot per row. When
+    the chunk is longer than a device's slice, falls back to a select over the whole cache."""
+    b, max_len = cache.shape[:2]
+    n = new.shape[1]
+    start = jnp.broadcast_to(jnp.asarray(start, jnp.int32), (b,))
+    if mesh is None:
+        return write_cache_local(cache, new, start, axis_name=None)
+    sp = mesh.shape[axis_name]
+    if n > max_len // sp:
+        slot = jnp.arange(max_len, dtype=jnp.int32)[None]
+        write = ((slot >= start[:, None]) & (slot < start[:, None] + n))[..., None, None]
+        source = jnp.clip(slot - start[:, None], 0, n - 1)
+        taken = jnp.take_along_axis(new.astype(cache.dtype), source[..., None, None], axis=1)
+        return jnp.where(write, taken, cache)
+    batch_axes = _present(mesh, batch_axes)
+    head_axis = _present(mesh, head_axis)
+    x_seq = P(batch_axes, axis_name, head_axis, None)
+    fn = jax.shard_map(
+        lambda c, x, s: write_cache_local(c, x, s, axis_name=axis_name),
+        mesh=mesh,
+        in_specs=(x_seq, P(batch_axes, None, head_axis, None), P(batch_axes)),
+        out_specs=x_seq,
+        check_vma=True,
+    )
+    return fn(cache, new, start)

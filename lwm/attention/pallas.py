@@ -32,7 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from lwm.attention._common import FULL, PARTIAL, kind_table
+from lwm.attention._common import DEAD, FULL, PARTIAL, kind_table
 
 F32 = jnp.float32
 LANES = 128
@@ -86,7 +86,9 @@ def _when_live(kind, compute) -> None:
 # -- forward -------------------------------------------------------------------------------------
 
 
-def _fwd_kernel(kinds_ref, q_ref, k_ref, v_ref, qp_ref, kp_ref, *refs, scale, causal, has_seg):
+def _fwd_kernel(
+    kinds_ref, fetch_ref, q_ref, k_ref, v_ref, qp_ref, kp_ref, *refs, scale, causal, has_seg
+):
     if has_seg:
         qs_ref, ks_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc = refs
     else:
@@ -128,16 +130,33 @@ def _fwd_kernel(kinds_ref, q_ref, k_ref, v_ref, qp_ref, kp_ref, *refs, scale, ca
         lse_ref[...] = jnp.transpose(jnp.where(empty, -jnp.inf, lse))[:1, :]
 
 
+def fetch_table(kinds: jax.Array, across_rows: bool) -> jax.Array:
+    """For every tile of ``kinds [batch, rows, n]`` (the inner grid axis last), the block of
+    the inner axis to fetch: its own if the tile is live, else the next live one, so that a
+    run of dead tiles issues no copies and prefetches what the next live tile needs (the
+    pipeline skips a copy when the block index does not change). ``across_rows``: the next
+    row follows in the grid (else the same row comes round again: wrap within it)."""
+    b, rows, n = kinds.shape
+    if across_rows:
+        return fetch_table(kinds.reshape(b, 1, rows * n), False).reshape(b, rows, n) % n
+    none = rows * n + n
+    idx = jnp.where(kinds != DEAD, jnp.arange(n, dtype=jnp.int32), none)
+    nxt = lax.cummin(idx, axis=2, reverse=True)
+    nxt = jnp.where(nxt == none, nxt[:, :, :1], nxt)  # past the last live tile: the first
+    return jnp.where(nxt == none, 0, nxt).astype(jnp.int32)
+
+
 def _grid_specs(qs, kv, inner_q: bool):
     """Block specs of the blocked inputs for a grid of ``(b, kvh, g, nq, nk)`` (``inner_q``:
-    ``(b, kvh, nk, g, nq)``); every index map also receives the prefetched kind table."""
+    ``(b, kvh, nk, g, nq)``). Index maps receive the prefetched kind and fetch tables and
+    take the block of the inner axis from the fetch table (`fetch_table`)."""
     bq, d = qs.q.shape[-2:]
     bk = kv.k.shape[-2]
 
     def ids(fn):
         if inner_q:
-            return lambda b, h, ki, g, qi, kinds: fn(b, h, g, qi, ki)
-        return lambda b, h, g, qi, ki, kinds: fn(b, h, g, qi, ki)
+            return lambda b, h, ki, g, qi, kinds, fetch: fn(b, h, g, fetch[b, ki, qi], ki)
+        return lambda b, h, g, qi, ki, kinds, fetch: fn(b, h, g, qi, fetch[b, qi, ki])
 
     q_spec = pl.BlockSpec(
         (None, None, None, None, bq, d), ids(lambda b, h, g, qi, ki: (qi, b, h, g, 0, 0))
@@ -190,7 +209,7 @@ def flash_chunk(qs, kv, spec) -> tuple[jax.Array, jax.Array]:
     out, lse = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1,
+            num_scalar_prefetch=2,
             grid=(b, kvh, g, nq, nk),
             in_specs=[q_spec, kv_spec, kv_spec, *token_specs],
             out_specs=[q_spec, q_row],
@@ -204,7 +223,7 @@ def flash_chunk(qs, kv, spec) -> tuple[jax.Array, jax.Array]:
         **_params(
             spec.interpret, ("parallel",) * 4 + ("arbitrary",), qs, kv, 2, (qs.q, kv.k, kv.v, qs.q)
         ),
-    )(kinds, qs.q, kv.k, kv.v, *tokens)
+    )(kinds, fetch_table(kinds, across_rows=True), qs.q, kv.k, kv.v, *tokens)
     return out, lse[..., 0, :]
 
 
@@ -253,6 +272,7 @@ def _split_bwd_refs(refs, has_seg, n_out):
 
 def _dq_kernel(
     kinds_ref,
+    fetch_ref,
     q_ref,
     k_ref,
     v_ref,
@@ -290,6 +310,7 @@ def _dq_kernel(
 
 def _dkv_kernel(
     kinds_ref,
+    fetch_ref,
     q_ref,
     k_ref,
     v_ref,
@@ -345,7 +366,7 @@ def bwd_chunk(qs, do, lse, delta, kv, grads, spec):
     dq_c = pl.pallas_call(
         partial(_dq_kernel, **common),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1,
+            num_scalar_prefetch=2,
             grid=(b, kvh, g, nq, nk),
             in_specs=[q_spec, kv_spec, kv_spec, q_spec, q_row, q_row, *token_specs],
             out_specs=q_spec,
@@ -360,13 +381,15 @@ def bwd_chunk(qs, do, lse, delta, kv, grads, spec):
             3,
             (qs.q, kv.k, kv.v, do, qs.q),
         ),
-    )(kinds, qs.q, kv.k, kv.v, do, *stats, *tokens)
+    )(kinds, fetch_table(kinds, across_rows=True), qs.q, kv.k, kv.v, do, *stats, *tokens)
 
     q_spec, q_row, kv_spec, tokens, token_specs = _grid_specs(qs, kv, inner_q=True)
+    # The query heads of a key/value head come round between key blocks unless there is one.
+    fetch_q = fetch_table(kinds.transpose(0, 2, 1), across_rows=g == 1)
     dk, dv = pl.pallas_call(
         partial(_dkv_kernel, **common),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1,
+            num_scalar_prefetch=2,
             grid=(b, kvh, nk, g, nq),
             in_specs=[q_spec, kv_spec, kv_spec, q_spec, q_row, q_row, *token_specs],
             out_specs=[kv_spec, kv_spec],
@@ -381,7 +404,7 @@ def bwd_chunk(qs, do, lse, delta, kv, grads, spec):
             4,
             (qs.q, kv.k, kv.v, do, kv.k, kv.v),
         ),
-    )(kinds, qs.q, kv.k, kv.v, do, *stats, *tokens)
+    )(kinds, fetch_q, qs.q, kv.k, kv.v, do, *stats, *tokens)
     return grads[0] + dq_c, grads[1] + dk, grads[2] + dv
 
 
