@@ -20,6 +20,13 @@ passed as a scalar-prefetched table: dead pairs are skipped, fully visible ones 
 In the zigzag layout every ring step's pair of half-shards is full, causal-diagonal or empty,
 so with blocks that tile the halves (`lwm.attention.layout.ring_block_size`) nothing is
 computed that the XLA kernel skips.
+
+Why not the kernels that ship with JAX (`jax.experimental.pallas.ops.tpu`): flash attention
+masks causally by index within the call and splash attention by static masks, while our masks
+come from positions (documents packed into a row restart theirs; a ring step's chunks sit at
+offsets only the positions know). The layouts and the tile-level tricks follow theirs: segment
+ids broadcast over lanes/sublanes, ``[block_q, 128]`` statistics, and the backward reading its
+log-sum-exp as a ``[1, block_q]`` row (splash attention's).
 """
 
 from __future__ import annotations
