@@ -1,8 +1,11 @@
-"""The block kernel of blockwise and ring attention: queries and keys cut into blocks, and one
-local shard of queries against one chunk of keys and values, forward (`fwd_chunk`: online
-softmax into float32 statistics) and backward (`bwd_chunk`: from the global log-sum-exp). Block
-pairs whose mask is empty are skipped (`lax.switch`); fully visible pairs skip the mask.
-`lwm.attention.blockwise` runs it over the key chunks of one device or around the ring.
+"""The XLA block kernel of blockwise and ring attention (`model.attention_kernel: xla`; the
+Pallas one, `lwm.attention.pallas`, has the same contract): queries and keys cut into blocks,
+and one local shard of queries against one chunk of keys and values, forward (`fwd_chunk`:
+online softmax into float32 statistics) and backward (`bwd_chunk`: from the global
+log-sum-exp). Block pairs whose mask is empty are skipped (`lax.switch`); fully visible pairs
+skip the mask. Every accumulator is a loop carry updated in place, one block at a time (no
+chunk-sized copies besides the accumulators themselves). `lwm.attention.blockwise` runs it
+over the key chunks of one device or around the ring.
 
 Internal layouts (``nq``/``nk`` = number of blocks, ``g`` = query heads per kv head):
   queries  [nq, batch, kv_heads, g, block_q, head_dim]
@@ -26,6 +29,7 @@ from lwm.attention._common import (
     attention_mask,
     block_kind,
     full,
+    union_vma,
 )
 
 F32 = jnp.float32
@@ -216,6 +220,7 @@ def bwd_chunk(
     """Add one key/value chunk's gradient contributions to ``grads`` = (dQ blocked like the
     queries, dK and dV blocked like the keys; float32) and return them. The accumulators are
     loop carries updated in place, so no chunk-sized gradient is made besides them."""
+    zeros_k = full(kv.k.shape[1:], 0.0, F32, union_vma((kv.k, qs.q)))
 
     def q_step(i, carry):
         # Every accumulator is a loop carry updated in place, block by block (see `fwd_chunk`).
@@ -227,8 +232,7 @@ def bwd_chunk(
             k, v, kp = kv.k[j], kv.v[j], kv.pos[j]
             ksg = None if kv.seg is None else kv.seg[j]
 
-            def compute(carry, masked):
-                dq_b, dk, dv = carry
+            def compute(dq_b, masked):
                 s = _scores(q, k, qp, kp, qsg, ksg, spec, masked)
                 p = jnp.exp(s - lse_b[..., None])
                 dp = _mm(spec, "bhgqd,bhkd->bhgqk", do_b, v)
@@ -239,12 +243,13 @@ def bwd_chunk(
                 # whole [q, k] block, which cost more than any one matmul here.
                 dk_c = _mm(spec, "bhgqd,bhgqk->bhdk", q, ds.astype(q.dtype))
                 dv_c = _mm(spec, "bhgqd,bhgqk->bhdk", do_b, p.astype(do_b.dtype))
-                dk = dk.at[j].add(jnp.swapaxes(dk_c, -1, -2))
-                dv = dv.at[j].add(jnp.swapaxes(dv_c, -1, -2))
-                return dq_b, dk, dv
+                return dq_b, jnp.swapaxes(dk_c, -1, -2), jnp.swapaxes(dv_c, -1, -2)
 
             kind = block_kind(qp, kp, qsg, ksg, spec.causal)
-            return _by_kind(kind, compute, lambda c: c, carry)
+            dq_b, dk_c, dv_c = _by_kind(kind, compute, lambda d: (d, zeros_k, zeros_k), dq_b)
+            # Added outside the branches: an update inside a conditional would copy the whole
+            # accumulator; here XLA updates it in place.
+            return dq_b, dk.at[j].add(dk_c), dv.at[j].add(dv_c)
 
         dk, dv, dq = carry
         dq_b, dk, dv = lax.fori_loop(0, kv.k.shape[0], k_step, (dq[i], dk, dv))

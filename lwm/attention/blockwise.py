@@ -1,7 +1,8 @@
 """Blockwise (flash-style) attention: online softmax over key blocks, custom VJP.
 
-The kernel (`lwm.attention.blocks`: `fwd_chunk`, `bwd_chunk`) is written once, for a local
-shard of queries against one chunk of keys and values; this module drives it. Single-device
+The block kernel (`fwd_chunk`, `bwd_chunk`: `lwm.attention.blocks` in XLA, or
+`lwm.attention.pallas`, chosen by ``kernel``) is written for a local shard of queries against
+one chunk of keys and values; this module drives it. Single-device
 blockwise attention runs it against the whole key sequence; ring attention
 (`lwm.attention.ring`) runs it once per ring step against the chunk that is visiting. Softmax
 statistics and accumulators are float32 whatever the input dtype; only the outputs and the
