@@ -122,12 +122,12 @@ def _compare_one(base, dtype: str, frames, repeats: int) -> dict[tuple[str, str]
     """Wall times of each (op, impl) for one compute dtype, round-robin."""
     import jax.numpy as jnp
     from flax import nnx
-    from lwm_vqgan_reference import LWMVQGAN, ReferenceConfig
+    from lwm_vqgan_reference import LWMVQGAN
 
     from vqgan.weights import export_lwm_params
 
     ours = init_model(base.model_copy(update={"dtype": dtype}))
-    ref = LWMVQGAN(ReferenceConfig.from_ours(base))
+    ref = LWMVQGAN(base)
     params = jax.tree.map(lambda a: jnp.asarray(a, dtype), export_lwm_params(ours))
     ref_frames = frames.astype(dtype)
     # Ours as `VideoTokenizer` runs it: the parameters split off once, merged inside jax.jit

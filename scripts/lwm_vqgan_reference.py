@@ -4,44 +4,25 @@ benchmarks (`scripts/bench_vqgan.py --compare-lwm`) and parity tests against our
 auto-generated parameter names (``Conv_0``, ``ResnetBlock_1``, ...), so the parameter tree of
 `vqgan.weights.export_lwm_params` applies to it unchanged. Nothing in the product imports this.
 
-    model = LWMVQGAN(ReferenceConfig.from_ours(cfg))
+    model = LWMVQGAN(cfg)  # cfg: our `vqgan.config.VQGANModelConfig` (32 groups)
     codes = model.apply({"params": tree}, frames, method=LWMVQGAN.encode)[1]
     frames = model.apply({"params": tree}, codes, method=LWMVQGAN.decode)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from vqgan.config import VQGANModelConfig
 
-@dataclass(frozen=True)
-class ReferenceConfig:
-    resolution: int = 256
-    hidden_channels: int = 128
-    channel_mult: tuple[int, ...] = (1, 2, 2, 4, 6)
-    num_res_blocks: int = 2
-    z_channels: int = 64
-    num_embeddings: int = 8192
-    quantized_embed_dim: int = 64
-    num_channels: int = 3
 
-    @classmethod
-    def from_ours(cls, cfg) -> ReferenceConfig:
-        """The reference shaped as one of our `VQGANModelConfig` (LWM's own has 32 groups in
-        every GroupNorm, linen's default; ours must match for the outputs to)."""
-        return cls(
-            resolution=cfg.resolution,
-            hidden_channels=cfg.hidden_channels,
-            channel_mult=tuple(cfg.channel_mult),
-            num_res_blocks=cfg.num_res_blocks,
-            z_channels=cfg.z_channels,
-            num_embeddings=cfg.num_embeddings,
-            quantized_embed_dim=cfg.embed_dim,
-        )
+def check_config(cfg) -> None:
+    """The reference takes one of our `VQGANModelConfig` for its sizes. LWM's GroupNorms are
+    linen's default, 32 groups, so a config with other groups has no LWM counterpart."""
+    if cfg.num_groups != 32:
+        raise ValueError(f"LWM's VQGAN has 32 GroupNorm groups; the config has {cfg.num_groups}")
 
 
 class ResnetBlock(nn.Module):
@@ -73,7 +54,7 @@ class Upsample(nn.Module):
 
 
 class DownsamplingBlock(nn.Module):
-    config: ReferenceConfig
+    config: VQGANModelConfig
     block_idx: int
 
     @nn.compact
@@ -87,7 +68,7 @@ class DownsamplingBlock(nn.Module):
 
 
 class UpsamplingBlock(nn.Module):
-    config: ReferenceConfig
+    config: VQGANModelConfig
     block_idx: int
 
     @nn.compact
@@ -108,7 +89,7 @@ class MidBlock(nn.Module):
 
 
 class Encoder(nn.Module):
-    config: ReferenceConfig
+    config: VQGANModelConfig
 
     @nn.compact
     def __call__(self, x):
@@ -121,7 +102,7 @@ class Encoder(nn.Module):
 
 
 class Decoder(nn.Module):
-    config: ReferenceConfig
+    config: VQGANModelConfig
 
     @nn.compact
     def __call__(self, x):
@@ -160,14 +141,15 @@ class VectorQuantizer(nn.Module):
 
 
 class LWMVQGAN(nn.Module):
-    config: ReferenceConfig
+    config: VQGANModelConfig
 
     def setup(self):
         cfg = self.config
+        check_config(cfg)
         self.encoder = Encoder(cfg)
         self.decoder = Decoder(cfg)
-        self.quantize = VectorQuantizer(cfg.num_embeddings, cfg.quantized_embed_dim)
-        self.quant_conv = nn.Conv(cfg.quantized_embed_dim, [1, 1])
+        self.quantize = VectorQuantizer(cfg.num_embeddings, cfg.embed_dim)
+        self.quant_conv = nn.Conv(cfg.embed_dim, [1, 1])
         self.post_quant_conv = nn.Conv(cfg.z_channels, [1, 1])
 
     def encode(self, pixel_values):

@@ -369,7 +369,7 @@ def test_ours_equals_lwm_architecture_with_the_same_weights() -> None:
     )  # fmt: skip
     ours = init_model(cfg, seed=3)
     tree = export_lwm_params(ours)
-    lwm = ref.LWMVQGAN(ref.ReferenceConfig.from_ours(cfg))
+    lwm = ref.LWMVQGAN(cfg)
     x = jnp.asarray(np.random.default_rng(0).uniform(-1, 1, (2, 16, 16, 3)), jnp.float32)
     with jax.default_matmul_precision("highest"):
         _, ref_codes = lwm.apply({"params": tree}, x, method=ref.LWMVQGAN.encode)

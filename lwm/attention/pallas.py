@@ -90,16 +90,23 @@ def _when_live(kind, compute) -> None:
         compute(True)
 
 
+def _split_refs(refs, has_seg: bool, n_out: int):
+    """A kernel's refs after the positions: the segment-id refs (or None), its ``n_out``
+    outputs and its scratch buffers."""
+    if has_seg:
+        qs_ref, ks_ref, *rest = refs
+    else:
+        qs_ref, ks_ref, rest = None, None, list(refs)
+    return qs_ref, ks_ref, rest[:n_out], rest[n_out:]
+
+
 # -- forward -------------------------------------------------------------------------------------
 
 
 def _fwd_kernel(
     kinds_ref, fetch_ref, q_ref, k_ref, v_ref, qp_ref, kp_ref, *refs, scale, causal, has_seg
 ):
-    if has_seg:
-        qs_ref, ks_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc = refs
-    else:
-        (o_ref, lse_ref, m_sc, l_sc, acc_sc), qs_ref, ks_ref = refs, None, None
+    qs_ref, ks_ref, (o_ref, lse_ref), (m_sc, l_sc, acc_sc) = _split_refs(refs, has_seg, 2)
     b, qi, ki, nk = pl.program_id(0), pl.program_id(3), pl.program_id(4), pl.num_programs(4)
     bk, d = k_ref.shape
 
@@ -269,14 +276,6 @@ def _ds(p, do_ref, v_ref, delta_ref, scale):
     return p * (dp - _column(delta_ref)) * scale
 
 
-def _split_bwd_refs(refs, has_seg, n_out):
-    if has_seg:
-        qs_ref, ks_ref, *rest = refs
-    else:
-        qs_ref, ks_ref, rest = None, None, list(refs)
-    return qs_ref, ks_ref, rest[:n_out], rest[n_out:]
-
-
 def _dq_kernel(
     kinds_ref,
     fetch_ref,
@@ -293,7 +292,7 @@ def _dq_kernel(
     causal,
     has_seg,
 ):
-    qs_ref, ks_ref, (dq_ref,), (dq_sc,) = _split_bwd_refs(refs, has_seg, 1)
+    qs_ref, ks_ref, (dq_ref,), (dq_sc,) = _split_refs(refs, has_seg, 1)
     b, qi, ki, nk = pl.program_id(0), pl.program_id(3), pl.program_id(4), pl.num_programs(4)
 
     @pl.when(ki == 0)
@@ -331,7 +330,7 @@ def _dkv_kernel(
     causal,
     has_seg,
 ):
-    qs_ref, ks_ref, (dk_ref, dv_ref), (dk_sc, dv_sc) = _split_bwd_refs(refs, has_seg, 2)
+    qs_ref, ks_ref, (dk_ref, dv_ref), (dk_sc, dv_sc) = _split_refs(refs, has_seg, 2)
     b, ki, g, qi = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
     first = (g == 0) & (qi == 0)
     last = (g == pl.num_programs(3) - 1) & (qi == pl.num_programs(4) - 1)
