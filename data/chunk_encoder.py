@@ -11,7 +11,8 @@ import os
 import sys
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -22,7 +23,65 @@ from data.manifest import Item
 from data.tokens import build_example, text_first
 from data.workdir import chunk_json, chunk_shard, write_json
 
-__all__ = ["ChunkEncoder", "decode_stream"]
+__all__ = ["ChunkEncoder", "EncoderPipeline", "decode_stream", "default_workers"]
+
+
+class EncoderPipeline:
+    """Batches of frames through the encoder for all the chunks of a run, with one batch in
+    flight while the next is gathered, so that the encoder computes while this process
+    receives decoded items and builds records.
+
+    A `vqgan` tokenizer (``encode_chunk``/``place`` on device arrays) is called asynchronously
+    and a helper thread notes when each batch is ready; any other encoder (``encode``) is
+    called synchronously. ``busy`` is how long the encoder has had work: the union of the
+    intervals from each batch's dispatch to its completion."""
+
+    def __init__(self, encoder: Any):
+        self.encoder = encoder
+        self.busy = 0.0
+        self._last_done = 0.0
+        self._inflight: deque = deque()
+        self._waiter: ThreadPoolExecutor | None = None
+
+    def submit(self, batch: np.ndarray, deliver: Callable[[np.ndarray], None]) -> None:
+        """Encode ``batch`` ``[batch_frames, H, W, 3]``; ``deliver(codes)`` is called with its
+        codes when it is collected (here, once the next batch is submitted, or in `drain`)."""
+        t0 = time.perf_counter()
+        enc = self.encoder
+        if hasattr(enc, "encode_chunk") and getattr(enc, "batch_size", None) == len(batch):
+            codes: Any = enc.encode_chunk(enc.place(batch))  # returns at once
+            if self._waiter is None:
+                self._waiter = ThreadPoolExecutor(1, thread_name_prefix="encoder-ready")
+            done: Any = self._waiter.submit(_ready_at, codes)
+        else:
+            codes = np.asarray(enc.encode(batch[None]))[0]
+            done = time.perf_counter()
+        self._inflight.append((codes, t0, done, deliver))
+        while len(self._inflight) > 1:
+            self._collect()
+
+    def drain(self) -> None:
+        """Collect every batch in flight."""
+        while self._inflight:
+            self._collect()
+
+    def _collect(self) -> None:
+        codes, t0, done, deliver = self._inflight.popleft()
+        codes = np.asarray(codes)
+        done = done if isinstance(done, float) else done.result()
+        self.busy += max(0.0, done - max(t0, self._last_done))
+        self._last_done = max(self._last_done, done)
+        deliver(codes)
+
+    def close(self) -> None:
+        if self._waiter is not None:
+            self._waiter.shutdown()
+            self._waiter = None
+
+
+def _ready_at(array: Any) -> float:
+    array.block_until_ready()
+    return time.perf_counter()
 
 
 class ChunkEncoder:
@@ -39,6 +98,7 @@ class ChunkEncoder:
         log,
         learn_video=None,
         text_first_ratio=0.0,
+        pipeline: EncoderPipeline | None = None,
     ):
         self.items, self.codec, self.encoder = items, codec, encoder
         self.learn_video, self.text_first_ratio = learn_video, text_first_ratio
@@ -50,6 +110,9 @@ class ChunkEncoder:
         self.records: dict[int, dict[str, Any]] = {}
         self.errors: dict[int, str] = {}
         self.frames = 0
+        self.pipeline = pipeline or EncoderPipeline(encoder)
+        self.in_flight = 0  # batches of this chunk not yet collected
+        self.finished = False
         self.done_codes: dict[int, np.ndarray] = {}  # codes of items that others repeat
         self.repeats: dict[int, list[int]] = {}  # item -> later items of the same file
 
@@ -81,11 +144,19 @@ class ChunkEncoder:
                 self._encode(self.batch_frames)
 
     def finish(self) -> None:
+        """Send what is queued to the encoder; the chunk is `done` once its batches are back."""
         while self.queued:
             self._encode(min(self.queued, self.batch_frames))
+        self.finished = True
+
+    @property
+    def done(self) -> bool:
+        """Finished, and every batch collected: its records are complete."""
+        return self.finished and not self.in_flight
 
     def _encode(self, n: int) -> None:
-        """Encode the first ``n`` queued frames (one batch, padded to ``batch_frames``)."""
+        """Send the first ``n`` queued frames to the encoder as one batch (padded to
+        ``batch_frames``, so one compiled program serves every call)."""
         parts, owners, left = [], [], n
         while left:
             index, frames = self.queue[0]
@@ -98,15 +169,20 @@ class ChunkEncoder:
                 self.queue[0] = (index, frames[len(take) :])
             left -= len(take)
         batch = np.concatenate(parts)
-        if n < self.batch_frames:  # the last batch of a chunk: same shape, same program
+        if n < self.batch_frames:  # the last batch of a chunk
             pad = np.zeros((self.batch_frames - n, *batch.shape[1:]), batch.dtype)
             batch = np.concatenate([batch, pad])
-        t0 = time.perf_counter()
-        codes = np.asarray(self.encoder.encode(batch[None]))[0, :n]
-        self.summary.encode_seconds += time.perf_counter() - t0
         self.queued -= n
+        self.in_flight += 1
+        self.pipeline.submit(batch, lambda codes: self._deliver(codes[:n], owners))
+
+    def _deliver(self, codes: np.ndarray, owners: list[tuple[int, int]]) -> None:
+        """The codes of one batch, given to the items whose frames it held."""
+        self.in_flight -= 1
+        n = len(codes)
         self.frames += n
         self.summary.frames += n
+        self.summary.encode_seconds = self.pipeline.busy
         if self.bar is not None:
             elapsed = time.perf_counter() - self.summary.started
             self.bar.set_postfix_str(f"{self.summary.frames / max(elapsed, 1e-9):.1f} frames/s")
@@ -180,27 +256,58 @@ def _worker_init() -> None:
     )
 
 
+def default_workers() -> int:
+    """Decoding processes for `lwm tokenize` when not told: one per CPU core this process may
+    use, less one for the main process (which feeds the encoder), at least one. On a CPU-only
+    host the encoder shares those cores, so more would only compete with it."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores - 1)
+
+
 def decode_stream(
-    items: list[Item], indices: list[int], options: DecodeOptions, workers: int
+    items: list[Item],
+    indices: list[int],
+    options: DecodeOptions,
+    workers: int,
+    *,
+    frames_ahead: int = 0,
 ) -> Iterator[Decoded]:
+    """The decoded items ``indices``, in order. ``workers`` > 0: decoded by that many worker
+    processes, ahead of the consumer by at least ``2 * workers + 2`` items and by enough items
+    to hold ``frames_ahead`` frames (counted from the items decoded so far), so that a consumer
+    that takes a batch of frames at a time (the encoder) finds the next batch already decoded
+    however few frames each item has."""
     if workers <= 0 or not indices:
         for i in indices:
             yield decode_item(i, items[i], options)
         return
-    ahead = 2 * workers + 2
+    min_ahead = 2 * workers + 2
     ctx = multiprocessing.get_context("spawn")  # no fork of a process that holds JAX state
     with ctx.Pool(workers, initializer=_worker_init) as pool:
         pending: deque = deque()
         upcoming = iter(indices)
+        seen_items, seen_frames = 0, 0
 
-        def submit() -> None:
-            i = next(upcoming, None)
-            if i is not None:
+        def wanted() -> int:
+            if not frames_ahead or not seen_frames:
+                return min_ahead
+            per_item = seen_frames / seen_items
+            return max(min_ahead, int(np.ceil(frames_ahead / per_item)) + workers)
+
+        def fill() -> None:
+            while len(pending) < wanted():
+                i = next(upcoming, None)
+                if i is None:
+                    return
                 pending.append(pool.apply_async(decode_item, (i, items[i], options)))
 
-        for _ in range(ahead):
-            submit()
+        fill()
         while pending:
             result = pending.popleft().get()
-            submit()
+            seen_items += 1
+            seen_frames += 0 if result.frames is None else len(result.frames)
+            fill()
             yield result

@@ -37,13 +37,15 @@ import hashlib
 import json
 import sys
 import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from data.chunk_encoder import ChunkEncoder, decode_stream
+from data.chunk_encoder import ChunkEncoder, EncoderPipeline, decode_stream, default_workers
 from data.decode import DecodeOptions
 from data.manifest import Item, read_inputs
 from data.tokens import NUM_CODES, TextCodec
@@ -95,7 +97,7 @@ class TokenizeOptions:
     fps: float | None = None
     max_frames: int | None = None
     min_frames: int = 1
-    workers: int = 2
+    workers: int | None = None  # decoding processes; None: `default_workers()`
     batch_frames: int = 64
     chunk_size: int = 256
     strict: bool = False
@@ -127,6 +129,7 @@ class TokenizeSummary:
     work: str = ""
     errors_path: str | None = None
     errors: list[str] = field(default_factory=list)
+    workers: int = 0  # decoding processes used
 
     def lines(self) -> list[str]:
         out = []
@@ -142,7 +145,8 @@ class TokenizeSummary:
             resumed = self.resumed_chunks
             out.append(
                 f"{self.frames} frames encoded in {self.seconds:.1f} s "
-                f"({self.frames / self.seconds:.1f} frames/s); encoder busy {busy:.0f}% of the time"
+                f"({self.frames / self.seconds:.1f} frames/s, {self.workers} decoding "
+                f"worker{'s' * (self.workers != 1)}); encoder busy {busy:.0f}% of the time"
                 + (f"; {resumed} chunks from an earlier run" if resumed else "")
             )
         if self.published:
@@ -234,7 +238,19 @@ def tokenize_dataset(
     indices = [i for c in todo for i, first in plans[c] if first is None]
     start = summary.started = time.perf_counter()
     bar = _progress(opts, sum(len(plans[c]) for c in todo), role)
-    stream = decode_stream(items, indices, decode_opts, opts.workers)
+    workers = default_workers() if opts.workers is None else opts.workers
+    summary.workers = workers
+    # Two batches of frames decoded ahead: the next batch is ready when the encoder is.
+    stream = decode_stream(items, indices, decode_opts, workers, frames_ahead=2 * opts.batch_frames)
+    pipeline = EncoderPipeline(encoder)  # one batch in flight, across chunks
+    saver = ThreadPoolExecutor(1, thread_name_prefix="chunk-writer")  # writes overlap encoding
+    saves, open_chunks = [], deque()
+
+    def save_done() -> None:  # the chunks whose records are complete, in order
+        while open_chunks and open_chunks[0][0].done:
+            done, c = open_chunks.popleft()
+            saves.append(saver.submit(done.save, work, c))
+
     try:
         for c in todo:
             chunk = ChunkEncoder(
@@ -247,6 +263,7 @@ def tokenize_dataset(
                 log,
                 LEARN_VIDEO[opts.video_loss],
                 opts.text_first_ratio,
+                pipeline,
             )
             for i, first in plans[c]:
                 if first is not None:  # the same file as item `first`: reuse its codes
@@ -255,10 +272,18 @@ def tokenize_dataset(
                 decoded = next(stream)
                 assert decoded.index == i, (decoded.index, i)
                 chunk.add(decoded)
+                save_done()
             chunk.finish()
-            chunk.save(work, c)
+            open_chunks.append((chunk, c))
+            save_done()
+        pipeline.drain()
+        save_done()
+        for saved in saves:
+            saved.result()  # a write that failed fails the run
     finally:
         stream.close()  # stops the worker processes
+        saver.shutdown()
+        pipeline.close()
         if bar is not None:
             bar.close()
     summary.seconds = time.perf_counter() - start

@@ -106,6 +106,8 @@ class TextCodec:
 
     def __init__(self, tokenizer: Any, name: str):
         self.tokenizer, self.name = tokenizer, name
+        # Questions, prompts and answers repeat across a dataset; each text is encoded once.
+        self._encoded: dict[str, tuple[int, ...]] = {}
         self.bos_id: int | None = tokenizer.bos_token_id
         self.eos_id: int | None = tokenizer.eos_token_id
         self.vocab_size = len(tokenizer)
@@ -127,7 +129,12 @@ class TextCodec:
         return cls(AutoTokenizer.from_pretrained(str(folder)), str(folder))
 
     def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        ids = self._encoded.get(text)
+        if ids is None:
+            ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+            if len(text) <= 256 and len(self._encoded) < 1 << 16:  # short, repeated texts
+                self._encoded[text] = ids
+        return list(ids)
 
     def metadata(self) -> dict[str, Any]:
         """What a dataset records about its text vocabulary."""

@@ -519,3 +519,20 @@ def test_cpu_devices_too_few_and_too_late_are_one_line(capsys):
     assert lwm(["train", "--cpu-devices", "4", "--config", str(ROOT / "configs/tiny.yaml")]) == 2
     err = capsys.readouterr().err
     assert "--cpu-devices 4: JAX has already started with 8 device(s)" in err
+
+
+def test_workers_decode_ahead_in_frames_and_in_order(synthetic):
+    from data.chunk_encoder import decode_stream
+    from data.decode import DecodeOptions
+    from data.manifest import read_inputs
+
+    items = read_inputs(str(synthetic))
+    indices = list(range(len(items)))
+    options = DecodeOptions(resolution=16)
+    here = list(decode_stream(items, indices, options, 0))
+    ahead = list(decode_stream(items, indices, options, 1, frames_ahead=64))
+    assert [d.index for d in ahead] == [d.index for d in here] == indices
+    for a, b in zip(ahead, here, strict=True):
+        assert (a.error, a.frames is None) == (b.error, b.frames is None)
+        if a.frames is not None:
+            np.testing.assert_array_equal(a.frames, b.frames)

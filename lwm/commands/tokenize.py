@@ -32,6 +32,8 @@ from lwm.commands import add_cpu_devices, non_negative_int, positive_float, posi
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from data.chunk_encoder import default_workers
+
     parser.add_argument("--input", help="folder of videos, or a .jsonl manifest")
     parser.add_argument("--output", help="dataset folder to create")
     parser.add_argument("--vqgan", help="VQGAN checkpoint (vqgan.load_tokenizer)")
@@ -54,8 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--workers",
         type=non_negative_int,
-        default=2,
-        help="decoding processes (0: decode in the main process; default 2)",
+        default=None,
+        help="decoding processes (0: decode in the main process; default: one per CPU core "
+        f"less one, {default_workers()} here)",
     )
     parser.add_argument(
         "--batch-frames",
