@@ -10,9 +10,19 @@ prints one JSON line per measurement:
 - ``probe``: a linear probe from codes to each object's colour and shape: the codes of the 3x3
   grid cells around the object's centre (one-hot per cell, so the arrangement counts), a
   multinomial logistic regression trained on half the videos and scored on the other half
-  (chance: 1/8 for colour, 1/3 for shape).
+  (chance: 1/8 for colour, 1/3 for shape);
+- ``mlp`` (with ``--mlp``): what a small network that learns an embedding per code, as a world
+  model does, reads from the same cells: a 32-wide embedding per code, the 3x3 cells in their
+  places (``window``) or summed without their places (``bag``, as one attention head averaging
+  an object's codes would see them), one hidden layer of 256, trained with AdamW on 80% of the
+  videos and scored per object and frame on the rest. The linear probe needs every code of
+  every cell to occur in its training half; this one shares what it learns across cells, and
+  with ``--videos 2500`` it is the upper bound that matters: how much a reader of codes can get
+  when told where the object is.
 
     python scripts/probe_vqgan.py --vqgan runs/demo/vqgan --videos 200 --frames 8
+    python scripts/probe_vqgan.py --vqgan runs/demo/vqgan --videos 2500 --frames 4 \
+        --max-objects 2 --radius 0.12,0.16 --travel 0.3,0.45 --mlp    # the demo's world
 """
 
 from __future__ import annotations
@@ -52,6 +62,9 @@ def main() -> int:
     p.add_argument("--max-distance", type=float, default=80.0, help="colour tolerance, decoded")
     p.add_argument("--max-objects", type=int, default=3)
     p.add_argument("--radius", default=None, help="LO,HI as in lwm synthetic")
+    p.add_argument("--travel", default=None, help="LO,HI as in lwm synthetic")
+    p.add_argument("--mlp", action="store_true", help="also the learned-embedding probe")
+    p.add_argument("--mlp-steps", type=int, default=2000)
     args = p.parse_args()
 
     import vqgan
@@ -64,13 +77,20 @@ def main() -> int:
     world = {"max_objects": args.max_objects}
     if args.radius:
         world["radius"] = tuple(float(v) for v in args.radius.split(","))
+    if args.travel:
+        world["travel"] = tuple(float(v) for v in args.travel.split(","))
     specs = [
         sample_video(args.seed, i, size=size, num_frames=args.frames, **world)
         for i in range(args.videos)
     ]
     frames = np.stack([render_video(s) for s in specs])
-    codes = np.asarray(tok.encode(frames))
-    decoded = np.asarray(tok.decode(codes))
+    chunk = 256  # frames of many videos at once would not fit a small machine's memory
+    codes = np.concatenate(
+        [np.asarray(tok.encode(frames[i : i + chunk])) for i in range(0, len(frames), chunk)]
+    )
+    decoded = np.concatenate(
+        [np.asarray(tok.decode(codes[i : i + chunk])) for i in range(0, len(codes), chunk)]
+    )
     mse = np.mean((decoded.astype(np.float64) - frames) ** 2)
     print(json.dumps({"measure": "psnr", "db": round(float(10 * np.log10(255**2 / mse)), 2)}))
 
@@ -115,7 +135,66 @@ def main() -> int:
         w, b = _softmax_regression(x[train], y[train], k)
         result[name] = round(float(((x[~train] @ w + b).argmax(1) == y[~train]).mean()), 3)
     print(json.dumps(result))
+    if args.mlp:
+        windows = np.asarray(feats) - (k + 1) * np.arange(9)  # codes of the 3x3 cells, k = outside
+        split = np.asarray(video_of) < int(0.8 * args.videos)
+        labels = (np.asarray(colour), np.asarray(shape))
+        for kind in ("window", "bag"):
+            got = _mlp_probe(windows, labels, split, k + 1, kind == "bag", args.mlp_steps)
+            print(
+                json.dumps({"measure": "mlp", "cells": kind, "objects": int(len(windows)), **got})
+            )
     return 0
+
+
+def _mlp_probe(windows, labels, train, vocab, bag, steps, width=32, hidden=256, batch=256):
+    """Colour and shape from the codes of an object's 3x3 cells: a learned embedding per code,
+    in place or summed (``bag``), one hidden layer, AdamW; accuracy on the rows not ``train``."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    colour, shape = labels
+    n_colour, n_shape = int(colour.max()) + 1, 3
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    inputs = width if bag else 9 * width
+    params = {
+        "embed": 0.1 * jax.random.normal(k1, (vocab, width)),
+        "w1": jax.random.normal(k2, (inputs, hidden)) / np.sqrt(inputs),
+        "b1": jnp.zeros(hidden),
+        "w2": jax.random.normal(k3, (hidden, n_colour + n_shape)) / np.sqrt(hidden),
+    }
+
+    def logits(p, w):
+        e = p["embed"][w]
+        h = e.sum(1) if bag else e.reshape(len(w), -1)
+        return jax.nn.gelu(h @ p["w1"] + p["b1"]) @ p["w2"]
+
+    def loss(p, w, c, s):
+        z = logits(p, w)
+        ce = optax.softmax_cross_entropy_with_integer_labels
+        return ce(z[:, :n_colour], c).mean() + ce(z[:, n_colour:], s).mean()
+
+    opt = optax.adamw(3e-3, weight_decay=1e-2)
+    state = opt.init(params)
+
+    @jax.jit
+    def step(p, st, w, c, s):
+        grads = jax.grad(loss)(p, w, c, s)
+        updates, st = opt.update(grads, st, p)
+        return optax.apply_updates(p, updates), st
+
+    rng = np.random.default_rng(0)
+    rows = np.flatnonzero(train)
+    for _ in range(steps):
+        b = rng.choice(rows, batch)
+        params, state = step(params, state, windows[b], colour[b], shape[b])
+    z = np.asarray(logits(params, windows[~train]))
+    return {
+        "colour": round(float((z[:, :n_colour].argmax(1) == colour[~train]).mean()), 3),
+        "shape": round(float((z[:, n_colour:].argmax(1) == shape[~train]).mean()), 3),
+        "train_objects": int(train.sum()),
+    }
 
 
 if __name__ == "__main__":
