@@ -130,17 +130,18 @@ def main() -> int:
     x[np.arange(len(feats))[:, None], np.asarray(feats)] = 1.0
     train = np.asarray(video_of) < args.videos // 2
     result = {"measure": "probe", "objects": int(len(x))}
-    for name, labels, k in (("colour", colour, len(PALETTE)), ("shape", shape, len(SHAPES))):
+    for name, labels, classes in (("colour", colour, len(PALETTE)), ("shape", shape, len(SHAPES))):
         y = np.asarray(labels)
-        w, b = _softmax_regression(x[train], y[train], k)
+        w, b = _softmax_regression(x[train], y[train], classes)
         result[name] = round(float(((x[~train] @ w + b).argmax(1) == y[~train]).mean()), 3)
     print(json.dumps(result))
     if args.mlp:
-        windows = np.asarray(feats) - (k + 1) * np.arange(9)  # codes of the 3x3 cells, k = outside
+        outside = tok.codebook_size  # the code of a cell outside the frame
+        windows = np.asarray(feats) - (outside + 1) * np.arange(9)  # codes of the 3x3 cells
         split = np.asarray(video_of) < int(0.8 * args.videos)
         labels = (np.asarray(colour), np.asarray(shape))
         for kind in ("window", "bag"):
-            got = _mlp_probe(windows, labels, split, k + 1, kind == "bag", args.mlp_steps)
+            got = _mlp_probe(windows, labels, split, outside + 1, kind == "bag", args.mlp_steps)
             print(
                 json.dumps({"measure": "mlp", "cells": kind, "objects": int(len(windows)), **got})
             )
