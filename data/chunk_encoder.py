@@ -258,13 +258,15 @@ def _worker_init() -> None:
 
 def default_workers() -> int:
     """Decoding processes for `lwm tokenize` when not told: one per CPU core this process may
-    use, less one for the main process (which feeds the encoder), at least one. On a CPU-only
-    host the encoder shares those cores, so more would only compete with it."""
+    use, less one for the main process (which feeds the encoder), and at least two, so that
+    decoding goes on while one worker waits on a file. (On the 2-core development machine two
+    workers beat one with the demo's 8 simulated devices, 14.6 s against 19.0 s, and were
+    within noise of it on one device.)"""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         cores = os.cpu_count() or 1
-    return max(1, cores - 1)
+    return max(2, cores - 1)
 
 
 def decode_stream(

@@ -16,7 +16,7 @@ when its output already exists, so rerunning the demo continues where it stopped
     learns the answers and, as a world model, the video tokens too;
  4. `lwm train`: the `demo` world model (configs/demo.yaml) on that dataset, ring attention over `sp`, zigzag
     layout, on a (1, 2, 4, 1) mesh of 8 simulated CPU devices, with the held-out questions
-    asked every `--eval-every` steps;
+    asked after the last step (and every `--eval-every` steps if given);
  5. the last of those evaluations, as `lwm eval qa` prints it (the same code; the command that
     reruns it is printed): every held-out question, per category, for the model, for the model
     shown another video (the swap ablation) and for a blind baseline (the most frequent training
@@ -53,7 +53,12 @@ def main() -> int:
     p.add_argument("--frames", type=int, default=4, help="frames per video")
     p.add_argument("--vqgan-steps", type=int, default=500)
     p.add_argument("--lm-steps", type=int, default=300)
-    p.add_argument("--eval-every", type=int, default=150, help="held-out QA during training")
+    p.add_argument(
+        "--eval-every",
+        type=int,
+        default=None,
+        help="held-out QA every N training steps (default: once, after the last step)",
+    )
     p.add_argument("--mesh", default="1,2,4,1", help="dp,fsdp,sp,tp of the world model")
     args = p.parse_args()
 
@@ -94,7 +99,11 @@ def main() -> int:
     run(
         [*lwm, "train", *cpu, "--config", "configs/demo.yaml"]
         + [f"data.source={tokens}", f"train.output_dir={lm}", f"train.steps={args.lm_steps}"]
-        + [f"mesh.shape={args.mesh}", f"eval.manifest={held_out}", f"eval.every={args.eval_every}"],
+        + [
+            f"mesh.shape={args.mesh}",
+            f"eval.manifest={held_out}",
+            f"eval.every={args.eval_every or args.lm_steps}",
+        ],
         env=env,
     )
 

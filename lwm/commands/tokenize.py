@@ -58,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=non_negative_int,
         default=None,
         help="decoding processes (0: decode in the main process; default: one per CPU core "
-        f"less one, {default_workers()} here)",
+        f"less one, at least 2: {default_workers()} here)",
     )
     parser.add_argument(
         "--batch-frames",
