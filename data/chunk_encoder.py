@@ -91,16 +91,15 @@ class ChunkEncoder:
         self,
         items,
         codec,
-        encoder,
+        pipeline: EncoderPipeline,
         batch_frames,
         summary,
         bar,
         log,
         learn_video=None,
         text_first_ratio=0.0,
-        pipeline: EncoderPipeline | None = None,
     ):
-        self.items, self.codec, self.encoder = items, codec, encoder
+        self.items, self.codec, self.pipeline = items, codec, pipeline
         self.learn_video, self.text_first_ratio = learn_video, text_first_ratio
         self.batch_frames, self.summary, self.bar, self.log = batch_frames, summary, bar, log
         self.queue: deque[tuple[int, np.ndarray]] = deque()  # frames waiting for the encoder
@@ -110,7 +109,6 @@ class ChunkEncoder:
         self.records: dict[int, dict[str, Any]] = {}
         self.errors: dict[int, str] = {}
         self.frames = 0
-        self.pipeline = pipeline or EncoderPipeline(encoder)
         self.in_flight = 0  # batches of this chunk not yet collected
         self.finished = False
         self.done_codes: dict[int, np.ndarray] = {}  # codes of items that others repeat
@@ -182,7 +180,6 @@ class ChunkEncoder:
         n = len(codes)
         self.frames += n
         self.summary.frames += n
-        self.summary.encode_seconds = self.pipeline.busy
         if self.bar is not None:
             elapsed = time.perf_counter() - self.summary.started
             self.bar.set_postfix_str(f"{self.summary.frames / max(elapsed, 1e-9):.1f} frames/s")

@@ -256,14 +256,13 @@ def tokenize_dataset(
             chunk = ChunkEncoder(
                 items,
                 codec,
-                encoder,
+                pipeline,
                 opts.batch_frames,
                 summary,
                 bar,
                 log,
                 LEARN_VIDEO[opts.video_loss],
                 opts.text_first_ratio,
-                pipeline,
             )
             for i, first in plans[c]:
                 if first is not None:  # the same file as item `first`: reuse its codes
@@ -277,6 +276,7 @@ def tokenize_dataset(
             open_chunks.append((chunk, c))
             save_done()
         pipeline.drain()
+        summary.encode_seconds = pipeline.busy
         save_done()
         for saved in saves:
             saved.result()  # a write that failed fails the run

@@ -115,19 +115,19 @@ def main() -> int:
     cell = size / grid
     k = tok.codebook_size
     padded = np.pad(codes, [(0, 0), (0, 0), (1, 1), (1, 1)], constant_values=k)  # k = outside
-    feats, colour, shape, video_of = [], [], [], []
+    cells, colour, shape, video_of = [], [], [], []
     for v, spec in enumerate(specs):
         for t in range(args.frames):
             for o in spec.objects:
                 x, y = o.centre(t)
                 cy, cx = int(y // cell) + 1, int(x // cell) + 1
-                window = padded[v, t, cy - 1 : cy + 2, cx - 1 : cx + 2].reshape(-1)
-                feats.append(window + (k + 1) * np.arange(9))
+                cells.append(padded[v, t, cy - 1 : cy + 2, cx - 1 : cx + 2].reshape(-1))
                 colour.append(list(PALETTE).index(o.colour))
                 shape.append(SHAPES.index(o.shape))
                 video_of.append(v)
-    x = np.zeros((len(feats), 9 * (k + 1)))
-    x[np.arange(len(feats))[:, None], np.asarray(feats)] = 1.0
+    cells = np.asarray(cells)  # [objects, 9]: the codes of the 3x3 cells, k = outside
+    x = np.zeros((len(cells), 9 * (k + 1)))
+    x[np.arange(len(cells))[:, None], cells + (k + 1) * np.arange(9)] = 1.0  # one-hot per cell
     train = np.asarray(video_of) < args.videos // 2
     result = {"measure": "probe", "objects": int(len(x))}
     for name, labels, classes in (("colour", colour, len(PALETTE)), ("shape", shape, len(SHAPES))):
@@ -136,27 +136,25 @@ def main() -> int:
         result[name] = round(float(((x[~train] @ w + b).argmax(1) == y[~train]).mean()), 3)
     print(json.dumps(result))
     if args.mlp:
-        outside = tok.codebook_size  # the code of a cell outside the frame
-        windows = np.asarray(feats) - (outside + 1) * np.arange(9)  # codes of the 3x3 cells
         split = np.asarray(video_of) < int(0.8 * args.videos)
-        labels = (np.asarray(colour), np.asarray(shape))
+        labels = ((np.asarray(colour), len(PALETTE)), (np.asarray(shape), len(SHAPES)))
         for kind in ("window", "bag"):
-            got = _mlp_probe(windows, labels, split, outside + 1, kind == "bag", args.mlp_steps)
-            print(
-                json.dumps({"measure": "mlp", "cells": kind, "objects": int(len(windows)), **got})
+            got = _mlp_probe(
+                cells, labels, split, tok.codebook_size + 1, kind == "bag", args.mlp_steps
             )
+            print(json.dumps({"measure": "mlp", "cells": kind, "objects": int(len(cells)), **got}))
     return 0
 
 
 def _mlp_probe(windows, labels, train, vocab, bag, steps, width=32, hidden=256, batch=256):
     """Colour and shape from the codes of an object's 3x3 cells: a learned embedding per code,
-    in place or summed (``bag``), one hidden layer, AdamW; accuracy on the rows not ``train``."""
+    in place or summed (``bag``), one hidden layer, AdamW; accuracy on the rows not ``train``.
+    ``labels``: ``(colour, classes), (shape, classes)``."""
     import jax
     import jax.numpy as jnp
     import optax
 
-    colour, shape = labels
-    n_colour, n_shape = int(colour.max()) + 1, 3
+    (colour, n_colour), (shape, n_shape) = labels
     k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
     inputs = width if bag else 9 * width
     params = {
