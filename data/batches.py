@@ -15,13 +15,14 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
-from data.tokens import EOV_ID, NUM_CODES
+from data.tokens import EOV_ID, NUM_CODES, frame_cells
 
 BATCH_FIELDS: dict[str, Any] = {
     "tokens": np.int32,
     "vision_mask": np.bool_,
     "positions": np.int32,
     "segment_ids": np.int32,
+    "frame_cells": np.int32,  # each vision code's cell in its frame, -1 elsewhere
     "target_tokens": np.int32,
     "target_is_vision": np.bool_,
     "target_weight": np.float32,
@@ -82,15 +83,19 @@ def make_training_batch(
     segment_ids: np.ndarray,
     positions: np.ndarray,
     layout: np.ndarray | None = None,
+    cells: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
     """Targets from ``[batch, seq]`` streams in document order (`next_token_targets`: never
-    across a segment boundary, none from padding segment 0), then the sequence layout."""
+    across a segment boundary, none from padding segment 0), then the sequence layout.
+    ``cells``: `data.tokens.frame_cells` of each document (computed from the rows when not
+    given; pass them for rows that start inside a frame of a document split across rows)."""
     targets = next_token_targets(tokens, vision_mask, loss_mask, segment_ids, xp=np)
     batch = {
         "tokens": tokens,
         "vision_mask": vision_mask,
         "positions": positions,
         "segment_ids": segment_ids,
+        "frame_cells": frame_cells(tokens, vision_mask) if cells is None else cells,
         "target_tokens": targets.tokens,
         "target_is_vision": targets.is_vision,
         "target_weight": targets.weight,

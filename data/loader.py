@@ -41,6 +41,7 @@ import numpy as np
 
 from data.batches import make_training_batch
 from data.dataset_io import read_lengths
+from data.tokens import frame_cells
 
 __all__ = ["PackingPlan", "TokenDatasetLoader", "plan_epoch"]
 
@@ -276,6 +277,7 @@ class TokenDatasetLoader:
         loss = np.zeros(shape, np.float32)
         segments = np.zeros(shape, np.int32)
         positions = np.zeros(shape, np.int32)
+        cells = np.full(shape, -1, np.int32)
         examples: dict[int, dict[str, np.ndarray]] = {}  # a long document spans rows
         for r, pieces in enumerate(rows):
             at = 0
@@ -285,6 +287,9 @@ class TokenDatasetLoader:
                     examples[ex] = {
                         k: np.asarray(record[k]) for k in ("tokens", "vision_mask", "loss_mask")
                     }
+                    examples[ex]["cells"] = frame_cells(
+                        examples[ex]["tokens"], examples[ex]["vision_mask"]
+                    )
                 example = examples[ex]
                 piece = slice(start, start + n)
                 tokens[r, at : at + n] = example["tokens"][piece]
@@ -292,5 +297,6 @@ class TokenDatasetLoader:
                 loss[r, at : at + n] = example["loss_mask"][piece]
                 segments[r, at : at + n] = segment
                 positions[r, at : at + n] = np.arange(n)
+                cells[r, at : at + n] = example["cells"][piece]
                 at += n
-        return make_training_batch(tokens, vision, loss, segments, positions, self.layout)
+        return make_training_batch(tokens, vision, loss, segments, positions, self.layout, cells)

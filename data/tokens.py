@@ -53,6 +53,7 @@ __all__ = [
     "Example",
     "TextCodec",
     "build_example",
+    "frame_cells",
     "frame_markers",
     "qa_prompt",
     "qa_prompt_streams",
@@ -72,6 +73,27 @@ VISION_END = "</vision>"
 def frame_markers() -> dict[str, int]:
     """The frame marker ids by name, as a dataset's metadata records them."""
     return {"eof": EOF_ID, "eov": EOV_ID}
+
+
+def frame_cells(tokens: Any, vision_mask: Any, xp: Any = np) -> Any:
+    """Each vision code's cell in its frame, ``row * w + col`` in raster order (its offset from
+    the ``<vision>`` or ``<eof>`` before it), and -1 at every other position (text, markers),
+    for ``[..., seq]`` streams in document order. ``xp`` is ``numpy`` or ``jax.numpy``.
+
+    A model with `ModelConfig.vision_grid` adds a learned embedding of the cell's row and
+    column to each code, so where a code sits in its frame is not left to the rotary position
+    alone (cf. Qwen2-VL's multimodal positions)."""
+    tokens, vision_mask = xp.asarray(tokens), xp.asarray(vision_mask, bool)
+    is_code = vision_mask & (tokens < EOF_ID)
+    index = xp.broadcast_to(xp.arange(tokens.shape[-1], dtype=np.int32), tokens.shape)
+    boundary = xp.where(is_code, -1, index)  # the last position that is not a code
+    if xp is np:
+        boundary = np.maximum.accumulate(boundary, axis=-1)
+    else:
+        import jax
+
+        boundary = jax.lax.cummax(boundary, axis=boundary.ndim - 1)
+    return xp.where(is_code, index - boundary - 1, -1).astype(np.int32)
 
 
 def qa_prompt(question: str) -> str:

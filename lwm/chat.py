@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from data.tokens import TextCodec, qa_prompt, video_prompt_streams
+from data.tokens import TextCodec, frame_cells, qa_prompt, video_prompt_streams
 from lwm.generate import GREEDY, Sampling, decode_loop, empty_cache, extend
 from lwm.model import LWMModel
 from lwm.qa_eval import Answer
@@ -34,8 +34,8 @@ class ContextFullError(ValueError):
 
 
 @partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
-def _extend(graphdef, state, cache, tokens, vision, start):
-    return extend(nnx.merge(graphdef, state), cache, tokens, vision, start)
+def _extend(graphdef, state, cache, tokens, vision, start, cells):
+    return extend(nnx.merge(graphdef, state), cache, tokens, vision, start, cells)
 
 
 @partial(
@@ -107,16 +107,24 @@ class ChatSession:
                 f"new, {self.max_new_tokens} for the answer) but the context holds "
                 f"{self.max_context} (--max-context)"
             )
+        cells = frame_cells(np.asarray(tokens, np.int32), np.asarray(vision, bool))
         for at in range(0, len(tokens), self.chunk):
             piece = tokens[at : at + self.chunk]
             n = len(piece)
             t = np.zeros((1, self.chunk), np.int32)
             v = np.zeros((1, self.chunk), bool)
-            t[0, :n], v[0, :n] = piece, vision[at : at + n]
+            c = np.full((1, self.chunk), -1, np.int32)
+            t[0, :n], v[0, :n], c[0, :n] = piece, vision[at : at + n], cells[at : at + n]
             # A short last chunk writes padding past the conversation; causal masking hides
             # it, and later tokens overwrite it.
             self.cache, hidden = _extend(
-                self.graphdef, self.state, self.cache, jnp.asarray(t), jnp.asarray(v), self.length
+                self.graphdef,
+                self.state,
+                self.cache,
+                jnp.asarray(t),
+                jnp.asarray(v),
+                self.length,
+                jnp.asarray(c),
             )
             self.hidden = hidden[:, n - 1]
             self.length += n

@@ -57,6 +57,11 @@ class ModelConfig(BaseModel):
     # with that many codes never produces the others); 0: the whole vision vocabulary. The
     # parameters keep their full size (LWM's checkpoints load either way).
     vision_codes: Annotated[int, Field(ge=0)] = 0
+    # (rows, cols) of the VQGAN's code grid: each vision code gets a learned embedding of its
+    # row and its column in the frame (`data.tokens.frame_cells`) added to its code embedding,
+    # so the model knows where a code sits without decoding it from rotary positions. None: off
+    # (as LWM, whose checkpoints have no such table).
+    vision_grid: tuple[PositiveInt, PositiveInt] | None = None
     hidden_size: PositiveInt
     intermediate_size: PositiveInt
     num_layers: PositiveInt

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from data.tokens import EOF_ID, EOV_ID, NUM_CODES
+from data.tokens import EOF_ID, EOV_ID, NUM_CODES, frame_cells
 from lwm.attention import default_positions
 from lwm.attention.decode import decode_attention_local, ring_decode_attention, ring_write_cache
 from lwm.base.mesh import batch_devices
@@ -151,13 +151,15 @@ def prefill_chunked(
     b, p = tokens.shape
     cfg = model.cfg
     cache = empty_cache(model, b, max_len)
+    cells = frame_cells(tokens, vision_mask, xp=jnp)  # of the whole prompt: chunks cut frames
 
     def body(i, carry):
         cache, last = carry
         start = i * chunk
         piece = jax.lax.dynamic_slice_in_dim(tokens, start, chunk, axis=1)
         vision = jax.lax.dynamic_slice_in_dim(vision_mask, start, chunk, axis=1)
-        cache, hidden = extend(model, cache, piece, vision, start)
+        piece_cells = jax.lax.dynamic_slice_in_dim(cells, start, chunk, axis=1)
+        cache, hidden = extend(model, cache, piece, vision, start, piece_cells)
         at = prompt_len - 1 - start  # each row's last prompt token, if it is in this chunk
         inside = (at >= 0) & (at < chunk)
         h = jnp.take_along_axis(hidden, jnp.clip(at, 0, chunk - 1)[:, None, None], axis=1)
@@ -173,11 +175,13 @@ def extend(
     tokens: jax.Array,
     vision_mask: jax.Array,
     start: jax.Array | int,
+    cells: jax.Array | None = None,
 ) -> tuple[KVCache, jax.Array]:
     """Feed ``tokens [batch, n]`` at positions ``start .. start + n - 1`` (the same for every
     row): their keys and values go into those cache slots (`ring_write_cache`: each device
-    updates its own slice, O(n)) and they attend the cache up to themselves.
-    Returns the cache and their hidden states ``[batch, n, hidden]``."""
+    updates its own slice, O(n)) and they attend the cache up to themselves. ``cells``: their
+    `data.tokens.frame_cells` (computed from ``tokens`` when not given, right when they start
+    at a frame boundary). Returns the cache and their hidden states ``[batch, n, hidden]``."""
     b, n = tokens.shape
     max_len = cache.k.shape[2]
     slot = jnp.arange(max_len, dtype=jnp.int32)
@@ -203,7 +207,7 @@ def extend(
             )
         return o, (k_cache, v_cache)
 
-    x = model.embed(tokens, vision_mask)
+    x = model.embed(tokens, vision_mask, cells)
     hidden, (ks, vs) = model.run_layers(x, positions, attend, layers_in=tuple(cache))
     return KVCache(_cache_sharding(model, ks), _cache_sharding(model, vs)), hidden
 
@@ -214,8 +218,10 @@ def decode_step(
     token: jax.Array,
     is_vision: jax.Array,
     position: jax.Array,
+    cell: jax.Array | None = None,
 ) -> tuple[KVCache, jax.Array]:
-    """Feed one token per row at ``position [batch]``; returns the cache and its hidden state."""
+    """Feed one token per row at ``position [batch]`` (``cell [batch]``: a vision code's cell in
+    its frame, -1 for anything else; None: -1); returns the cache and its hidden state."""
     max_len = cache.k.shape[2]
     slot = jnp.arange(max_len, dtype=jnp.int32)
     positions = position[:, None]
@@ -240,7 +246,9 @@ def decode_step(
             )
         return o, (k_cache, v_cache)
 
-    x = model.embed(token[:, None], is_vision[:, None])
+    if cell is None:
+        cell = jnp.full(token.shape, -1, jnp.int32)
+    x = model.embed(token[:, None], is_vision[:, None], cell[:, None])
     hidden, (ks, vs) = model.run_layers(x, positions, attend, layers_in=tuple(cache))
     return KVCache(_cache_sharding(model, ks), _cache_sharding(model, vs)), hidden[:, 0]
 
@@ -306,7 +314,10 @@ def decode_loop(
         done = s.done | jnp.isin(token, stops)
         feed = jnp.concatenate([token, token]) if cfg_scale is not None else token
         is_vision = jnp.full(feed.shape, mode == "vision")
-        cache, hidden = decode_step(model, s.cache, feed, is_vision, prompt_len + s.step)
+        # Vision mode starts at a frame boundary: token `step` is cell `step % frame` of its
+        # frame, or the frame's marker.
+        cell = jnp.where(is_vision & (feed < EOF_ID), s.step % frame, -1)
+        cache, hidden = decode_step(model, s.cache, feed, is_vision, prompt_len + s.step, cell)
         return _Loop(s.step + 1, cache, hidden, out, done, key)
 
     init = _Loop(

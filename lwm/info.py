@@ -35,7 +35,9 @@ DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 ADAM_MOMENT_BYTES = 4  # AdamW keeps two float32 moments per parameter
 
 # Parameters that belong to the vision side of the model (the rest is the text LLaMA).
-VISION_PARAMS: frozenset[str] = frozenset({"embed_vision", "vision_head"})
+VISION_PARAMS: frozenset[str] = frozenset(
+    {"embed_vision", "vision_head", "embed_vision_row", "embed_vision_col"}
+)
 
 # Matrices multiplied against every token (embedding lookups are not matmuls).
 _MATMUL_LAYER_PARAMS = ("attn.q", "attn.k", "attn.v", "attn.o", "mlp.gate", "mlp.up", "mlp.down")
@@ -96,6 +98,10 @@ def param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
         "embed_text": ParamSpec((cfg.text_vocab_size, h), ("vocab", "embed")),
         "embed_vision": ParamSpec((cfg.vision_vocab_size, h), ("vocab", "embed")),
     }
+    if cfg.vision_grid is not None:
+        rows, cols = cfg.vision_grid
+        specs["embed_vision_row"] = ParamSpec((rows, h), ("grid", "embed"))
+        specs["embed_vision_col"] = ParamSpec((cols, h), ("grid", "embed"))
     layer = layer_param_specs(cfg)
     if cfg.scan_layers:
         for name, (shape, axes) in layer.items():

@@ -18,7 +18,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
-from data.tokens import EOF_ID, EOV_ID
+from data.tokens import EOF_ID, EOV_ID, frame_cells
 from lwm.attention import (
     blockwise_attention,
     default_positions,
@@ -117,6 +117,9 @@ class LWMModel(nnx.Module):
         specs = param_specs(cfg)
         self.embed_text = _param(rngs, specs["embed_text"], cfg, None)
         self.embed_vision = _param(rngs, specs["embed_vision"], cfg, None)
+        if cfg.vision_grid is not None:
+            self.embed_vision_row = _param(rngs, specs["embed_vision_row"], cfg, None)
+            self.embed_vision_col = _param(rngs, specs["embed_vision_col"], cfg, None)
         if cfg.scan_layers:
             self.layers = Block(cfg, rngs, stack=cfg.num_layers)
         else:
@@ -205,10 +208,17 @@ class LWMModel(nnx.Module):
 
     # -- forward ----------------------------------------------------------------------------
 
-    def embed(self, tokens: jax.Array, vision_mask: jax.Array) -> jax.Array:
-        """Per position, the vision or the text embedding of the token (compute dtype)."""
+    def embed(
+        self, tokens: jax.Array, vision_mask: jax.Array, cells: jax.Array | None = None
+    ) -> jax.Array:
+        """Per position, the vision or the text embedding of the token (compute dtype); with
+        `ModelConfig.vision_grid`, plus the embeddings of each code's row and column in its
+        frame. ``cells``: `data.tokens.frame_cells` of the streams; when not given they are
+        computed from ``tokens``, which must then be in document order (not a ring layout)."""
         cfg = self.cfg
         dt = _dtype(cfg.dtype)
+        if cfg.vision_grid is not None and cells is None:
+            cells = frame_cells(tokens, vision_mask, xp=jnp)
         tokens = self._constrain(tokens, "batch", "length")
         vision_mask = self._constrain(vision_mask.astype(bool), "batch", "length")
         x = jnp.where(
@@ -224,6 +234,14 @@ class LWMModel(nnx.Module):
                 axis=0,
             ),
         )
+        if cfg.vision_grid is not None:
+            rows, cols = cfg.vision_grid
+            cells = self._constrain(jnp.asarray(cells, jnp.int32), "batch", "length")
+            row = jnp.clip(cells // cols, 0, rows - 1)
+            grid = jnp.take(self._weight(self.embed_vision_row, dt), row, axis=0) + jnp.take(
+                self._weight(self.embed_vision_col, dt), cells % cols, axis=0
+            )
+            x = x + jnp.where((cells >= 0)[..., None], grid, 0).astype(dt)
         return self._constrain(x, "batch", "length", "act_embed")
 
     def run_layers(self, x: jax.Array, positions: jax.Array, attend, layers_in=None):
@@ -266,8 +284,10 @@ class LWMModel(nnx.Module):
         vision_mask: jax.Array,
         positions: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
+        cells: jax.Array | None = None,
     ) -> jax.Array:
-        """Final normalised hidden states ``[batch, seq, hidden]`` in the compute dtype."""
+        """Final normalised hidden states ``[batch, seq, hidden]`` in the compute dtype.
+        ``cells`` as for `embed` (needed when the streams are in a ring layout)."""
         b, s = tokens.shape
         if positions is None:
             positions = default_positions(b, s)
@@ -275,7 +295,7 @@ class LWMModel(nnx.Module):
         def attend(q, k, v, _):
             return self._attention(q, k, v, positions, segment_ids), None
 
-        x, _ = self.run_layers(self.embed(tokens, vision_mask), positions, attend)
+        x, _ = self.run_layers(self.embed(tokens, vision_mask, cells), positions, attend)
         return x
 
     def head_weights(self, dtype) -> tuple[jax.Array, jax.Array]:
@@ -359,9 +379,10 @@ class LWMModel(nnx.Module):
         vision_mask: jax.Array,
         positions: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
+        cells: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array]:
         """``tokens, vision_mask [batch, seq]`` -> (text_logits, vision_logits), float32."""
-        return self.logits(self.hidden_states(tokens, vision_mask, positions, segment_ids))
+        return self.logits(self.hidden_states(tokens, vision_mask, positions, segment_ids, cells))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ codebook must fit the model's tables."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -51,12 +52,20 @@ def build_loader(cfg: Config, seq_len: int, layout: np.ndarray | None) -> Loader
 
 def check_dataset(source: str, metadata: dict[str, Any], model: ModelConfig) -> None:
     """Refuse (`TrainingError`, naming both sides) a dataset whose frame markers are not this
-    version's or whose text vocabulary or VQGAN codebook does not fit ``model``'s tables."""
+    version's or whose text vocabulary, VQGAN codebook or code grid does not fit ``model``'s
+    tables."""
     codes = int((metadata.get("vqgan") or {}).get("codebook_size", 0))
     if model.vision_codes and codes > model.vision_codes:
         raise TrainingError(
             f"dataset '{source}' was tokenized with a VQGAN of {codes} codes, but "
             f"model.vision_codes is {model.vision_codes}"
+        )
+    per_frame = int((metadata.get("vqgan") or {}).get("tokens_per_frame", 0))
+    if model.vision_grid is not None and per_frame and math.prod(model.vision_grid) != per_frame:
+        rows, cols = model.vision_grid
+        raise TrainingError(
+            f"dataset '{source}' has {per_frame} codes per frame, but model.vision_grid "
+            f"[{rows}, {cols}] is a grid of {rows * cols}"
         )
     markers = metadata.get("markers") or {}
     ours = frame_markers()

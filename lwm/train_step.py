@@ -72,7 +72,13 @@ def loss_fn(
             targets.is_vision, model.vision_target_index(targets.tokens), targets.tokens
         )
     )
-    inputs = (batch["tokens"], batch["vision_mask"], batch["positions"], batch["segment_ids"])
+    inputs = (
+        batch["tokens"],
+        batch["vision_mask"],
+        batch["positions"],
+        batch["segment_ids"],
+        batch["frame_cells"],
+    )
     heads = (weights[0] > 0, weights[1] > 0)  # a head whose loss weight is 0 is not computed
     hidden = model.hidden_states(*inputs)
     cap = model.cfg.loss_positions

@@ -15,7 +15,7 @@ when its output already exists, so rerunning the demo continues where it stopped
  3. `lwm tokenize`: videos + questions to an LWM token dataset (array_record); the world model
     learns the answers and, as a world model, the video tokens too;
  4. `lwm train`: the `demo` world model (configs/demo.yaml) on that dataset, ring attention over `sp`, zigzag
-    layout, on a (1, 2, 4, 1) mesh of 8 simulated CPU devices, with the held-out questions
+    layout, on a (4, 1, 2, 1) mesh of 8 simulated CPU devices, with the held-out questions
     asked after the last step (and every `--eval-every` steps if given);
  5. the last of those evaluations, as `lwm eval qa` prints it (the same code; the command that
     reruns it is printed): every held-out question, per category, for the model, for the model
@@ -52,14 +52,14 @@ def main() -> int:
     p.add_argument("--held-out", type=int, default=24, help="videos to ask questions about")
     p.add_argument("--frames", type=int, default=4, help="frames per video")
     p.add_argument("--vqgan-steps", type=int, default=500)
-    p.add_argument("--lm-steps", type=int, default=300)
+    p.add_argument("--lm-steps", type=int, default=360)
     p.add_argument(
         "--eval-every",
         type=int,
         default=None,
         help="held-out QA every N training steps (default: once, after the last step)",
     )
-    p.add_argument("--mesh", default="1,2,4,1", help="dp,fsdp,sp,tp of the world model")
+    p.add_argument("--mesh", default="4,1,2,1", help="dp,fsdp,sp,tp of the world model")
     args = p.parse_args()
 
     out = Path(args.out)

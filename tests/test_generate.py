@@ -121,15 +121,22 @@ def test_vision_mode_forces_frame_markers():
     assert (codes < EOF_ID).all()
 
 
-@pytest.mark.parametrize("mesh_shape,codes", [(None, 0), ("1,1,4,2", 0), ("1,1,4,2", 16)])
-def test_greedy_vision_mode_equals_full_forward(mesh_shape, codes):
+@pytest.mark.parametrize(
+    "mesh_shape,codes,grid",
+    [(None, 0, None), ("1,1,4,2", 0, None), ("1,1,4,2", 16, None), ("1,1,4,2", 0, (2, 2))],
+)
+def test_greedy_vision_mode_equals_full_forward(mesh_shape, codes, grid):
     """Vision generation is argmax over the codes of a full forward pass of the vision head,
     with <eof> after every frame's codes and <eov> after the last frame's; with
-    ``vision_codes`` only the first that many codes compete."""
+    ``vision_codes`` only the first that many codes compete; with ``vision_grid`` each fed
+    code carries the cell the full forward finds for it."""
     mesh = None if mesh_shape is None else make_mesh(mesh_shape)
     attention = "ring" if mesh else "blockwise"
-    model = create_model(debug_cfg(attention=attention, vision_codes=codes), mesh=mesh)
-    full = create_model(debug_cfg(attention=attention), mesh=mesh)  # same seed: same weights
+    model = create_model(
+        debug_cfg(attention=attention, vision_codes=codes, vision_grid=grid), mesh=mesh
+    )
+    # same seed: same weights
+    full = create_model(debug_cfg(attention=attention, vision_grid=grid), mesh=mesh)
     tokens, vision, lens = prompts()
     per_frame, frames = 4, 3
     out, _ = generate(
@@ -205,15 +212,19 @@ def test_bad_arguments_are_clear_errors():
         )
 
 
-@pytest.mark.parametrize("mesh_shape", ["1,1,4,2"])  # the cache sharded over sp and tp
-def test_chunked_prefill_equals_one_prefill(mesh_shape):
+@pytest.mark.parametrize("mesh_shape,grid", [("1,1,4,2", (2, 4))])  # cache over sp and tp
+def test_chunked_prefill_equals_one_prefill(mesh_shape, grid):
     """The prompt prefilled in chunks (each attending the cache so far) gives the cache and the
-    last hidden state of one prefill (1e-5), and the same greedy tokens."""
+    last hidden state of one prefill (1e-5), and the same greedy tokens; with ``vision_grid``
+    also where a chunk starts inside a frame."""
     from lwm.generate import prefill, prefill_chunked
 
     mesh = None if mesh_shape is None else make_mesh(mesh_shape)
-    model = create_model(debug_cfg(attention="ring" if mesh else "blockwise"), mesh=mesh)
-    tokens, vision, lens = prompts()
+    cfg = debug_cfg(attention="ring" if mesh else "blockwise", vision_grid=grid)
+    model = create_model(cfg, mesh=mesh)
+    tokens, vision, lens = (np.array(x) for x in prompts())
+    vision[:, 2:11] = True  # a frame of 8 codes across the chunk boundary at 8, then <eof>
+    tokens[:, 10] = EOF_ID
     width = 24  # three chunks of 8
     tokens = np.pad(tokens, [(0, 0), (0, width - tokens.shape[1])])
     vision = np.pad(vision, [(0, 0), (0, width - vision.shape[1])])
@@ -231,16 +242,18 @@ def test_chunked_prefill_equals_one_prefill(mesh_shape):
     assert np.asarray(got).tolist() == np.asarray(out).tolist()
 
 
-def test_a_second_chat_turn_reuses_the_cache():
+@pytest.mark.parametrize("grid", [(4, 4)])
+def test_a_second_chat_turn_reuses_the_cache(grid):
     """Two turns of a conversation about a video, fed in chunks into one cache (the chunks on
-    an sp-sharded cache: `test_chunked_prefill_equals_one_prefill`): the second answer equals
-    generation from a fresh prompt that holds both turns."""
+    an sp-sharded cache: `test_chunked_prefill_equals_one_prefill`; here chunks of 16 cut the
+    frames of 4x4 codes): the second answer equals generation from a fresh prompt that holds
+    both turns."""
     from data.tokens import TextCodec, qa_prompt, video_prompt_streams
     from lwm.chat import ChatSession, ContextFullError
 
     codec = TextCodec.load()
-    model = create_model(debug_cfg(text_vocab_size=codec.vocab_size))
-    codes = np.random.default_rng(0).integers(0, 512, (2, 2, 2))
+    model = create_model(debug_cfg(text_vocab_size=codec.vocab_size, vision_grid=grid))
+    codes = np.random.default_rng(0).integers(0, 512, (2, 4, 4))
     chat = ChatSession(model, codec, codes, max_context=128, prefill_chunk=16, max_new_tokens=5)
     chat.ask("What colour is the square?")
     before = chat.history + list(chat.pending[0])  # the first turn, closed as training does

@@ -35,8 +35,16 @@ def test_specs_shapes_and_axes() -> None:
     assert specs["layers.mlp.down"] == ((2, 128, 64), ("layers", "mlp", "embed"))
     assert specs["lm_head"] == ((64, 256), ("embed", "vocab"))
     assert specs["vision_head"] == ((64, 8448), ("embed", "vocab"))
-    assert VISION_PARAMS.issubset(specs)
-    for shape, axes in specs.values():
+    assert {"embed_vision", "vision_head"} <= set(specs)
+    assert "embed_vision_row" not in specs  # only with model.vision_grid
+    grid = param_specs(_model("debug.yaml", "model.vision_grid=[2,3]"))
+    assert set(grid) >= VISION_PARAMS
+    assert grid["embed_vision_row"] == ((2, 64), ("grid", "embed"))
+    assert grid["embed_vision_col"] == ((3, 64), ("grid", "embed"))
+    assert param_counts(_model("debug.yaml", "model.vision_grid=[2,3]")).vision == (
+        param_counts(model).vision + 5 * 64
+    )
+    for shape, axes in {**specs, **grid}.values():
         assert len(shape) == len(axes)
         assert all(a in LOGICAL_AXIS_RULES for a in axes)
     unrolled = param_specs(_model("debug.yaml", "model.scan_layers=false"))

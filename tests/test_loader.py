@@ -11,6 +11,7 @@ import pytest
 from data import dataset_io
 from data.batches import BATCH_FIELDS
 from data.loader import TokenDatasetLoader, plan_epoch
+from data.tokens import frame_cells
 
 SEQ = 32
 
@@ -159,6 +160,24 @@ def test_restored_loader_yields_the_same_batches(dataset):
         loader(dataset, seed=4).restore(state)
 
 
+def test_code_cells_are_those_of_the_whole_document(dataset):
+    """A document split across rows keeps counting its frame's cells in the next row (the
+    loader takes `frame_cells` of the whole example, not of the row)."""
+    ld = loader(dataset)
+    whole = {}
+    split = 0
+    for b in epoch_batches(ld):
+        for r in range(b["tokens"].shape[0]):
+            for at in np.flatnonzero(b["segment_ids"][r]):
+                ex, j = divmod(int(b["tokens"][r, at]), 1000)
+                if ex not in whole:
+                    record = ld.source[ex]
+                    whole[ex] = frame_cells(record["tokens"], record["vision_mask"])
+                assert b["frame_cells"][r, at] == whole[ex][j], (ex, j)
+                split += int(b["positions"][r, at] != j and whole[ex][j] > 0)
+    assert split > 0  # some row starts inside a frame of a split document
+
+
 def test_zigzag_layout_permutes_the_unpermuted_batch(dataset):
     from lwm.attention.layout import zigzag_permutation
 
@@ -185,7 +204,7 @@ def test_pad_mode_one_example_per_row_truncated(dataset):
     assert starts == set(range(len(LENGTHS)))
 
 
-def test_training_refuses_a_dataset_with_other_markers_or_vocabularies(tmp_path):
+def test_training_refuses_a_dataset_with_other_markers_vocabularies_or_grid(tmp_path):
     # lwm train checks a dataset's markers and vocabularies against the token stream's
     # (data.tokens) and the model's before the first step.
     from data.tokens import EOF_ID, EOV_ID
@@ -213,6 +232,10 @@ def test_training_refuses_a_dataset_with_other_markers_or_vocabularies(tmp_path)
     codes = dataset("codes", vqgan={"codebook_size": 1024})
     with pytest.raises(TrainingError, match="VQGAN of 1024 codes, but model.vision_codes is 512"):
         loader_for(codes, "train.batch_size=4", "model.vision_codes=512")
+    grid = dataset("grid", vqgan={"codebook_size": 512, "tokens_per_frame": 64})
+    assert loader_for(grid, "train.batch_size=4", "model.vision_grid=[8,8]")
+    with pytest.raises(TrainingError, match=r"64 codes per frame, but model.vision_grid \[4, 4\]"):
+        loader_for(grid, "train.batch_size=4", "model.vision_grid=[4,4]")
 
 
 def test_grain_read_ahead_gives_the_plain_readers_batches_and_states(dataset):

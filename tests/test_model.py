@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 from data.batches import next_token_targets
+from data.tokens import frame_cells
 from lwm.attention.layout import apply_layout, zigzag_permutation
 from lwm.base.mesh import make_mesh
 from lwm.config import load_config
@@ -58,6 +59,8 @@ def loss_and_grads(model, batch, perm=None):
     )
     inputs = {k: batch[k] for k in ("tokens", "vision_mask", "positions", "segment_ids")}
     if perm is not None:  # the layout is applied once, at the model input
+        # In a ring layout the model cannot find frames: the loader gives each code's cell.
+        inputs["cells"] = frame_cells(batch["tokens"], batch["vision_mask"])
         inputs, targets = apply_layout((inputs, targets), perm)
 
     def loss_fn(model):
@@ -70,6 +73,27 @@ def loss_and_grads(model, batch, perm=None):
 
 def flat_state_of(state) -> dict[str, jax.Array]:
     return {".".join(str(k) for k in path): v[...] for path, v in nnx.to_flat_state(state)}
+
+
+def test_vision_grid_adds_each_codes_row_and_column_embedding():
+    """With vision_grid (2, 3): a code's input is its code embedding plus the row and column
+    embeddings of its cell (raster order from the frame's start); text and markers get
+    nothing added; without vision_grid a code's input is its code embedding alone."""
+    model = create_model(debug_cfg(vision_grid=(2, 3)))
+    frame = [7, 8, 9, 10, 11, 12]
+    tokens = np.asarray([[1, 2, *frame, 8192, *frame[:4], 5]], np.int32)
+    vision = np.asarray([[0, 0] + [1] * 11 + [0]], bool)
+    cells = [None, None, 0, 1, 2, 3, 4, 5, None, 0, 1, 2, 3, None]
+    x = np.asarray(model.embed(jnp.asarray(tokens), jnp.asarray(vision)))
+    vis, text = np.asarray(model.embed_vision[...]), np.asarray(model.embed_text[...])
+    row, col = np.asarray(model.embed_vision_row[...]), np.asarray(model.embed_vision_col[...])
+    for i, (t, v, c) in enumerate(zip(tokens[0], vision[0], cells, strict=True)):
+        want = (vis if v else text)[t] + (0 if c is None else row[c // 3] + col[c % 3])
+        np.testing.assert_allclose(x[0, i], want, rtol=1e-6, atol=1e-7)
+    plain = create_model(debug_cfg())
+    got = np.asarray(plain.embed(jnp.asarray(tokens), jnp.asarray(vision)))
+    np.testing.assert_array_equal(got[0, 2], np.asarray(plain.embed_vision[...])[7])
+    assert not hasattr(plain, "embed_vision_row")
 
 
 @pytest.mark.parametrize("scan", [True, False])
@@ -115,23 +139,26 @@ def _assert_close(a: dict, b: dict, rtol: float):
 
 
 @pytest.mark.parametrize(
-    "mesh_shape,zigzag,attention,kernel",
+    "mesh_shape,zigzag,attention,kernel,grid",
     [
-        ("1,2,2,2", False, "ring", "xla"),
-        ("1,1,8,1", True, "ring", "xla"),
-        ("1,2,2,2", True, "ring", "xla"),
-        ("1,2,2,2", False, "blockwise", "xla"),
-        ("1,2,2,2", True, "ring", "pallas"),  # remat, scan over layers, the Pallas block kernel
+        ("1,2,2,2", False, "ring", "xla", None),
+        ("1,1,8,1", True, "ring", "xla", None),
+        ("1,2,2,2", True, "ring", "xla", None),
+        ("1,2,2,2", False, "blockwise", "xla", None),
+        ("1,2,2,2", True, "ring", "pallas", None),  # remat, scan, the Pallas block kernel
+        ("1,2,2,2", True, "ring", "xla", (2, 4)),  # code cells from the loader, permuted
     ],
 )
-def test_sharded_model_equals_dense_on_one_device(mesh_shape, zigzag, attention, kernel):
+def test_sharded_model_equals_dense_on_one_device(mesh_shape, zigzag, attention, kernel, grid):
     batch = make_batch(debug_cfg())
     ref_loss, ref_metrics, ref_grads = loss_and_grads(
-        create_model(debug_cfg(attention="dense")), batch
+        create_model(debug_cfg(attention="dense", vision_grid=grid)), batch
     )
     mesh = make_mesh(mesh_shape)
     perm = zigzag_permutation(64, mesh.shape["sp"]) if zigzag else None
-    cfg = debug_cfg(attention=attention, block_q=4, block_k=4, attention_kernel=kernel)
+    cfg = debug_cfg(
+        attention=attention, block_q=4, block_k=4, attention_kernel=kernel, vision_grid=grid
+    )
     model = create_model(cfg, mesh=mesh)
     loss, metrics, grads = loss_and_grads(model, batch, perm)
     assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))

@@ -15,6 +15,7 @@ from data.tokens import (
     EOV_ID,
     TextCodec,
     build_example,
+    frame_cells,
     text_first,
     text_to_video_prompt_streams,
     vision_span,
@@ -37,6 +38,26 @@ def test_project_tokenizer_loads_with_autotokenizer(codec):
     ids = tok.encode(text)
     assert ids[0] == codec.bos_id and tok.decode(ids[1:]) == text
     assert len(ids) < len(text) / 2  # a real subword vocabulary, not bytes
+
+
+def test_frame_cells_count_codes_from_each_frame_start():
+    """Two videos of 2x3-code frames after some text: each code's raster index in its frame,
+    -1 on text and on the <eof>/<eov> markers; the same with jax.numpy."""
+    import jax.numpy as jnp
+
+    codec_ids = [1, 3]  # BOS, <vision> (text)
+    video = vision_span(np.arange(12).reshape(2, 2, 3) + 100)
+    tokens = np.asarray(codec_ids + video.tolist() + [4, 7] + [3] + video[:7].tolist())
+    vision = np.asarray([False] * 2 + [True] * 14 + [False] * 3 + [True] * 7)
+    frame = list(range(6))
+    expected = [-1, -1] + frame + [-1] + frame + [-1] + [-1, -1, -1] + frame + [-1]
+    assert frame_cells(tokens, vision).tolist() == expected
+    both = np.stack([tokens, tokens[::-1]]), np.stack([vision, vision[::-1]])
+    np.testing.assert_array_equal(
+        np.asarray(frame_cells(*map(jnp.asarray, both), xp=jnp)), frame_cells(*both)
+    )
+    # a code id with vision_mask False is text
+    assert frame_cells(np.asarray([5, 5]), np.asarray([False, True])).tolist() == [-1, 0]
 
 
 def test_vision_span_markers():

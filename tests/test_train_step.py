@@ -8,6 +8,7 @@ import pytest
 from flax import nnx
 
 from data.batches import next_token_targets
+from data.tokens import frame_cells
 from lwm.base.mesh import make_mesh
 from lwm.config import load_config
 from lwm.info import memory_per_device
@@ -30,6 +31,7 @@ def test_loss_falls_on_a_repeated_batch():
     batch = dict(
         tokens=tokens,
         vision_mask=vision,
+        frame_cells=frame_cells(tokens, vision),
         positions=np.tile(np.arange(32), (2, 1)),
         segment_ids=np.ones((2, 32), np.int32),
         target_tokens=t.tokens,

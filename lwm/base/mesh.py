@@ -43,6 +43,7 @@ LOGICAL_AXIS_RULES: dict[str, MeshAxes] = {
     "vocab": "tp",
     "layers": None,  # the stacked-layers (scan) axis
     "norm": None,
+    "grid": None,  # the rows or columns of the vision code grid (`model.vision_grid`)
     # activations
     "batch": BATCH_AXES,
     "length": SEQUENCE_AXIS,

@@ -249,7 +249,10 @@ def load_lwm_streaming(
         else:
             raise WeightsError(f"{file}: unexpected tensor '{tensor}'")
         del value
-    initialise = () if seen_vision else ("embed_vision", "vision_head")
+    # A model with `vision_grid` starts its row/column embeddings afresh (LWM has none).
+    initialise = ("embed_vision_row", "embed_vision_col")
+    if not seen_vision:
+        initialise += ("embed_vision", "vision_head")
     missing = [n for n in sink.missing() if n not in initialise]
     if missing:
         names = ", ".join(f"'{'/'.join(_lwm_key(n))}'" for n in missing[:5])
@@ -270,6 +273,11 @@ def _lwm_key(name: str, scanned: bool = False) -> tuple[str, ...]:
 
 
 def _check_lwm_shapes(cfg: ModelConfig) -> None:
+    if cfg.vision_grid is not None:
+        raise WeightsError(
+            f"LWM's model has no row/column embeddings of vision codes: model.vision_grid "
+            f"{list(cfg.vision_grid)} cannot be saved in its format"
+        )
     if cfg.num_kv_heads != cfg.num_heads:
         raise WeightsError(
             f"LWM's model has no grouped-query attention: num_kv_heads ({cfg.num_kv_heads}) "
