@@ -126,12 +126,15 @@ def main() -> int:
         c = np.clip(col + dx, 0, cols - 1)
         return start + frame * per_frame + r * cols + c
 
-    def probe(x: np.ndarray, name: str) -> None:
-        x = (x - x[train].mean(0)) / (x[train].std(0) + 1e-6)
+    def probe(x: np.ndarray, name: str, onehot: bool = False) -> None:
+        # Dense states are standardised; one-hot codes are fitted as probe_vqgan.py fits them.
+        fit = {"steps": 500, "lr": 2.0, "l2": 1e-4} if onehot else {"steps": 300, "lr": 0.5}
+        if not onehot:
+            x = (x - x[train].mean(0)) / (x[train].std(0) + 1e-6)
         out = {"feature": name, "objects": int(len(x)), "train_objects": int(train.sum())}
         for label, column, classes in (("colour", 4, len(PALETTE)), ("shape", 5, len(SHAPES))):
             y = objects[:, column]
-            w, b = _softmax_regression(x[train], y[train], classes, steps=300, lr=0.5, l2=1e-3)
+            w, b = _softmax_regression(x[train], y[train], classes, **{"l2": 1e-3, **fit})
             out[label] = round(float(((x[~train] @ w + b).argmax(1) == y[~train]).mean()), 3)
         print(json.dumps(out), flush=True)
 
@@ -139,10 +142,11 @@ def main() -> int:
     # The same probe on the codes themselves (one-hot), for scale: what the input gives.
     onehot = np.eye(tok.codebook_size, dtype=np.float32)
     flat = tokens.reshape(-1)
-    probe(onehot[flat[video * tokens.shape[1] + at(0, 0)]], "code centre (one-hot)")
+    probe(onehot[flat[video * tokens.shape[1] + at(0, 0)]], "code centre (one-hot)", True)
     probe(
         np.mean([onehot[flat[video * tokens.shape[1] + at(dy, dx)]] for dy, dx in window], axis=0),
         "codes 3x3 mean (one-hot)",
+        True,
     )
     for layer, v in enumerate(values):
         probe(v[video, at(0, 0)], f"value L{layer} centre")
