@@ -54,13 +54,14 @@ def check_dataset(source: str, metadata: dict[str, Any], model: ModelConfig) -> 
     """Refuse (`TrainingError`, naming both sides) a dataset whose frame markers are not this
     version's or whose text vocabulary, VQGAN codebook or code grid does not fit ``model``'s
     tables."""
-    codes = int((metadata.get("vqgan") or {}).get("codebook_size", 0))
+    vqgan = metadata.get("vqgan") or {}
+    codes = int(vqgan.get("codebook_size", 0))
     if model.vision_codes and codes > model.vision_codes:
         raise TrainingError(
             f"dataset '{source}' was tokenized with a VQGAN of {codes} codes, but "
             f"model.vision_codes is {model.vision_codes}"
         )
-    per_frame = int((metadata.get("vqgan") or {}).get("tokens_per_frame", 0))
+    per_frame = int(vqgan.get("tokens_per_frame", 0))
     if model.vision_grid is not None and per_frame and math.prod(model.vision_grid) != per_frame:
         rows, cols = model.vision_grid
         raise TrainingError(
