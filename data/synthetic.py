@@ -21,11 +21,11 @@ what is there for one frame) and a draw whose frames do not give every answer is
 
 writes ``OUT/videos/00000.mp4 ...`` (H.264), ``OUT/videos.jsonl`` (every attribute of every
 video) and ``OUT/manifest.jsonl``, the input of ``lwm tokenize``: per video one caption line
-``{"video": "videos/00000.mp4", "text": "..."}`` (not with ``--no-captions``) and one QA line
-``{"video": "videos/00000.mp4", "qa": [{"question": "...", "answer": "...", "category": "..."}]}``
-whose turns come in an order drawn per video, so every kind of question is the first turn
-(the place `lwm ask` puts a question) in some videos. Categories: ``count``, ``count_shape``,
-``colour``, ``shape``, ``direction``, ``needle`` (`VideoSpec.qa`). Video paths in the manifest are relative
+``{"video": "videos/00000.mp4", "text": "..."}`` (not with ``--no-captions``) and two QA lines
+``{"video": "videos/00000.mp4", "qa": [{"question": "...", "answer": "...", "category": "..."}]}``:
+two training records (`lwm tokenize` encodes the video once), grouped so that no answer can be
+copied from an earlier turn of its record (`VideoSpec.qa_records`). Categories: ``count``,
+``count_shape``, ``colour``, ``shape``, ``direction``, ``needle``. Video paths in the manifest are relative
 to the manifest's directory (`data.manifest.read_inputs` reads them). Files are written under temporary
 names and renamed when complete.
 """
@@ -130,32 +130,59 @@ class VideoSpec:
         return text
 
     @property
-    def qa(self) -> list[dict[str, str]]:
-        """The questions about this video, each with its answer and its category, in an order
-        drawn for this video (so that every kind of question is asked first in some videos,
-        as a single question at inference is).
+    def qa_records(self) -> list[list[dict[str, str]]]:
+        """The questions about this video, each with its answer and its category, grouped into
+        the training records that hold them, so that no turn's answer can be read off an
+        earlier turn of its record: a model that learns the answers must learn them from the
+        video.
 
         Categories: ``count`` (moving shapes), ``count_shape`` (moving shapes of each kind,
         zero included), ``colour`` (of the one moving shape of a kind), ``shape`` (of the
-        moving object of a colour), ``direction`` (of each object), ``needle`` (what appeared
-        for one frame, or "nothing")."""
+        moving object of a colour), ``direction`` (of the moving object of a colour), ``needle``
+        (what appeared for one frame, or "nothing").
+
+        - first record: count, shape, direction and needle, in an order drawn for this video
+          (every kind is the first turn, where `lwm ask` puts a question, in some videos). The
+          questions name objects by colour only, and no answer names a colour (how many
+          colours are named does tell the count, which the video gives as plainly);
+        - second record: count_shape, then colour. "What colour is the moving square?" is
+          asked only when one square moves, so it would give away the square count if it came
+          first; "What shape is the red one?" and "What colour is the moving square?" give
+          each other away, so they are in different records."""
+        rng = np.random.default_rng([self.seed, self.index, 1])
         counts = {s: sum(o.shape == s for o in self.objects) for s in SHAPES}
-        turns = [("How many shapes move in the video?", NUMBER_WORDS[len(self.objects)])]
-        turns += [(f"How many {s}s move in the video?", NUMBER_WORDS[counts[s]]) for s in SHAPES]
+        first = [("How many shapes move in the video?", NUMBER_WORDS[len(self.objects)])]
         for o in self.objects:
-            if counts[o.shape] == 1:
-                turns.append((f"What colour is the moving {o.shape}?", o.colour))
-            turns.append((f"What shape is the {o.colour} one?", o.shape))
-            turns.append((f"Which direction does the {o.colour} {o.shape} move?", o.direction))
+            first.append((f"What shape is the {o.colour} one?", o.shape))
+            first.append((f"Which direction does the {o.colour} one move?", o.direction))
         n = self.needle
-        turns.append(
+        first.append(
             ("What appeared briefly?", f"{with_article(n.colour)} {n.shape}" if n else "nothing")
         )
-        order = np.random.default_rng([self.seed, self.index, 1]).permutation(len(turns))
-        return [
-            {"question": q, "answer": a, "category": question_category(q) or "other"}
-            for q, a in (turns[i] for i in order)
+        counted = [(f"How many {s}s move in the video?", NUMBER_WORDS[counts[s]]) for s in SHAPES]
+        coloured = [
+            (f"What colour is the moving {o.shape}?", o.colour)
+            for o in self.objects
+            if counts[o.shape] == 1
         ]
+        records = [
+            [first[i] for i in rng.permutation(len(first))],
+            [counted[i] for i in rng.permutation(len(counted))]
+            + [coloured[i] for i in rng.permutation(len(coloured))],
+        ]
+        return [
+            [
+                {"question": q, "answer": a, "category": question_category(q) or "other"}
+                for q, a in r
+            ]
+            for r in records
+        ]
+
+    @property
+    def qa(self) -> list[dict[str, str]]:
+        """Every question about this video with its answer and category: the turns of
+        `qa_records`, one record after the other."""
+        return [turn for record in self.qa_records for turn in record]
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "caption": self.caption, "qa": self.qa}
@@ -388,7 +415,7 @@ def write_dataset(
         specs.append({"video": rel, **spec.to_json()})
         if captions:
             manifest.append({"video": rel, "text": spec.caption})
-        manifest.append({"video": rel, "qa": spec.qa})
+        manifest.extend({"video": rel, "qa": record} for record in spec.qa_records)
     write_jsonl(out / "videos.jsonl", specs)
     write_jsonl(out / "manifest.jsonl", manifest)
     return out / "manifest.jsonl"

@@ -1,8 +1,10 @@
-"""Does a world model answer from the video or copy an earlier turn? A training record holds
-all of a video's turns, and "Which direction does the red circle move?" names the shape that
-"What shape is the red one?" asks. For every held-out shape question, asked in a fresh
-`lwm.chat.ChatSession`: first; after the direction turn that names the right shape; after one
-that names a wrong shape (then counted when the model repeats that wrong shape). One JSON line.
+"""Does a world model answer from the video or copy an earlier turn? Until the synthetic
+world grouped its questions into leak-free records (`data.synthetic.VideoSpec.qa_records`), a
+training record held all of a video's turns, and "Which direction does the red circle move?"
+named the shape that "What shape is the red one?" asks. For every held-out shape question,
+asked in a fresh `lwm.chat.ChatSession`: first; after a turn "Which direction does the COLOUR
+SHAPE move?" that names the right shape; after one that names a wrong shape (then counted when
+the model repeats that wrong shape). One JSON line.
 
     python scripts/probe_copying.py runs/long      # a demo output folder: lm, tokens, videos
 """
@@ -36,8 +38,10 @@ def main() -> int:
     counts["repeats_a_wrong_shape_named_before"] = 0
     for line in manifest.read_text().splitlines():
         item = json.loads(line)
-        codes = qa.codes(manifest.parent / item["video"])
         turns = {t["question"]: t["answer"] for t in item["qa"]}
+        if not any(q.startswith("What shape is the") for q in turns):
+            continue  # a record without shape questions
+        codes = qa.codes(manifest.parent / item["video"])
 
         def chat(*questions: str, codes=codes) -> str:
             session = ChatSession(model, qa.codec, codes, max_context=1024, prefill_chunk=256)
@@ -47,9 +51,7 @@ def main() -> int:
             if not question.startswith("What shape is the"):
                 continue
             colour = question.split()[4]
-            direction = next(
-                q for q in turns if q.startswith(f"Which direction does the {colour} ")
-            )
+            direction = f"Which direction does the {colour} {shape} move?"
             wrong = [s for s in SHAPES if s != shape][counts["shape_questions"] % 2]
             counts["asked_first"] += chat(question) == shape
             counts["after_the_right_shape"] += chat(direction, question) == shape

@@ -1,5 +1,6 @@
 """Synthetic videos: determinism, answers that follow from the frames, MP4s that decord reads."""
 
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -55,9 +56,13 @@ def test_questions_cover_every_category_in_drawn_orders() -> None:
         sample_video(2, i, size=32, num_frames=4, radius=(0.13, 0.18), max_objects=2)
         for i in range(40)
     ]
-    firsts = {spec.qa[0]["category"] for spec in specs}
-    assert firsts == {"count", "count_shape", "colour", "shape", "direction", "needle"}
+    firsts = {spec.qa_records[0][0]["category"] for spec in specs}
+    assert firsts == {"count", "shape", "direction", "needle"}
     for spec in specs:
+        first, second = ([t["category"] for t in r] for r in spec.qa_records)
+        assert set(first) <= {"count", "shape", "direction", "needle"}
+        assert second == sorted(second, key=["count_shape", "colour"].index)  # counts first
+        assert spec.qa == spec.qa_records[0] + spec.qa_records[1]
         qa = {t["question"]: t for t in spec.qa}
         assert {t["category"] for t in spec.qa} >= {
             "count",
@@ -71,6 +76,16 @@ def test_questions_cover_every_category_in_drawn_orders() -> None:
             n = sum(o.shape == shape for o in spec.objects)
             assert qa[f"How many {shape}s move in the video?"]["answer"] == NUMBER_WORDS[n]
         assert all(question_category(q) == t["category"] for q, t in qa.items())
+    # No answer about an object can be read off an earlier turn of its record: no earlier turn
+    # names the object's colour and its shape together.
+    for spec in specs:
+        for record in spec.qa_records:
+            words = [set(re.findall(r"[a-z]+", f"{t['question']} {t['answer']}")) for t in record]
+            for i, turn in enumerate(record):
+                for o in spec.objects:
+                    if turn["category"] in ("colour", "shape") and o.colour in words[i]:
+                        for said in words[:i]:
+                            assert not {o.colour, o.shape} <= said, (record, i)
     # The counts of objects and of needles are not biased by redrawing crowded videos.
     counts = [
         len(s.objects)
@@ -107,16 +122,18 @@ def test_a_spec_the_pixels_cannot_settle_is_reported() -> None:
 def test_mp4_dataset_read_back_with_decord(tmp_path: Path) -> None:
     manifest = write_dataset(tmp_path, count=3, seed=1, size=32, num_frames=8, fps=8)
     rows = read_inputs(manifest)
-    assert len(rows) == 6
-    assert [(r.text is None, r.qa is None) for r in rows[:2]] == [(False, True), (True, False)]
+    assert len(rows) == 9  # per video: a caption and two QA records
+    kinds = [(r.text is None, r.qa is None) for r in rows[:3]]
+    assert kinds == [(False, True), (True, False), (True, False)]
     for i in range(3):
-        path = Path(rows[2 * i].path)
+        assert rows[3 * i].path == rows[3 * i + 1].path == rows[3 * i + 2].path
+        path = Path(rows[3 * i].path)
         assert path == (tmp_path / f"videos/{i:05d}.mp4").absolute() and path.is_file()
         frames = read_video(path)
         assert frames.shape == (8, 32, 32, 3) and frames.dtype == np.uint8
         spec = sample_video(1, i, size=32, num_frames=8)
-        assert rows[2 * i].text == spec.caption
-        assert [t._asdict() for t in rows[2 * i + 1].qa] == spec.qa
+        assert rows[3 * i].text == spec.caption
+        assert [t._asdict() for t in rows[3 * i + 1].qa + rows[3 * i + 2].qa] == spec.qa
         rendered = render_video(spec)
         assert np.abs(frames.astype(int) - rendered).mean() < 4  # H.264 at low CRF
         # Every answer can be read off the decoded video, too.
