@@ -153,6 +153,11 @@ class TrainConfig(BaseModel):
     text_loss_weight: Annotated[float, Field(ge=0)] = 0.5
     vision_loss_weight: Annotated[float, Field(ge=0)] = 0.5
     init_from: str | None = None  # hf:DIR, lwm:PATH (params::PATH), orbax:DIR
+    # A fresh model's vision code embeddings: "random" (normal, model.initializer_range), or
+    # "codebook": each code's vector in the codebook of the VQGAN that tokenized data.source,
+    # standardised and projected to hidden_size at the same scale, so that codes which look
+    # alike start alike (lwm.train.codebook_embeddings)
+    vision_embed_init: Literal["random", "codebook"] = "random"
     log_every: PositiveInt = 10
     save_every: PositiveInt = 100
     max_to_keep: PositiveInt = 3

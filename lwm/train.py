@@ -147,7 +147,7 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
         log(f"resumed from checkpoint {start} in {output / 'checkpoints'}")
     else:
         start = 0
-        params = _initial_params(cfg, model_cfg, mesh, log)
+        params = _initial_params(cfg, model_cfg, mesh, log, getattr(loader, "metadata", None))
         opt_state = jax.jit(tx.init, out_shardings=shardings["opt_state"])(params)
     if start >= tc.steps:
         log(f"nothing to do: checkpoint {start} already reaches train.steps={tc.steps}")
@@ -294,16 +294,78 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
     return TrainResult(step=step, stopped_by=stopped_by)
 
 
-def _initial_params(cfg, model_cfg, mesh, log):
+def _initial_params(cfg, model_cfg, mesh, log, metadata=None):
     """Fresh sharded parameters, or those of ``train.init_from``: ``run:DIR`` (the newest
     checkpoint of an earlier `lwm train` run, e.g. the previous context stage), or any source
-    `lwm.weights.load_model` takes (``hf:``, ``lwm:``/``params::``, ``orbax:``)."""
+    `lwm.weights.load_model` takes (``hf:``, ``lwm:``/``params::``, ``orbax:``). A fresh model's
+    vision embeddings start from the dataset's VQGAN codebook with
+    ``train.vision_embed_init=codebook`` (``metadata``: the dataset's)."""
     from lwm.model import create_model
 
     source = cfg.train.init_from
+    codebook_init = cfg.train.vision_embed_init == "codebook"
+    if source and codebook_init:
+        raise TrainingError(
+            "train.vision_embed_init=codebook is for a fresh model; train.init_from "
+            f"'{source}' brings its own vision embeddings"
+        )
     if not source:
-        return nnx.state(create_model(model_cfg, mesh=mesh, seed=cfg.seed), nnx.Param)
+        params = nnx.state(create_model(model_cfg, mesh=mesh, seed=cfg.seed), nnx.Param)
+        if codebook_init:
+            path = ((metadata or {}).get("vqgan") or {}).get("path")
+            if not path:
+                raise TrainingError(
+                    f"train.vision_embed_init=codebook needs a dataset tokenized with a VQGAN; "
+                    f"data.source '{cfg.data.source}' names none"
+                )
+            params = _codebook_init(params, path, model_cfg, cfg.seed, log)
+        return params
     log(f"initialising from {source}")
     from lwm.weights import load_model
 
     return nnx.state(load_model(source, model_cfg, mesh=mesh, log=log), nnx.Param)
+
+
+def codebook_embeddings(codebook, hidden_size: int, scale: float, seed: int):
+    """Embeddings ``[codes, hidden_size]`` from a VQGAN codebook ``[codes, dim]``: each
+    dimension standardised over the codes, then a fixed random projection (normal / sqrt(dim))
+    times ``scale``, so every entry has about the standard deviation ``scale`` of a random
+    initialisation while codes whose vectors are close (which decode to alike patches) get
+    close embeddings."""
+    import numpy as np
+
+    vectors = np.asarray(codebook, np.float64)
+    vectors = (vectors - vectors.mean(0)) / (vectors.std(0) + 1e-12)
+    dim = vectors.shape[1]
+    projection = np.random.default_rng(seed).standard_normal((dim, hidden_size)) / math.sqrt(dim)
+    return (scale * vectors @ projection).astype(np.float32)
+
+
+def _codebook_init(params, vqgan_path: str, model_cfg, seed: int, log):
+    """``params`` with the rows of ``embed_vision`` for the VQGAN's codes replaced by
+    `codebook_embeddings` (the frame markers and any codes past the codebook stay random)."""
+    import jax.numpy as jnp
+
+    import vqgan
+
+    try:
+        codebook = vqgan.load_model(vqgan_path).quantizer.embeddings[...]
+    except (FileNotFoundError, OSError) as e:
+        raise TrainingError(f"train.vision_embed_init=codebook: {e}") from None
+    table = params["embed_vision"]
+    if codebook.shape[0] > table.value.shape[0]:
+        raise TrainingError(
+            f"train.vision_embed_init=codebook: the VQGAN '{vqgan_path}' has "
+            f"{codebook.shape[0]} codes, more than the model's {table.value.shape[0]} vision rows"
+        )
+    rows = codebook_embeddings(codebook, model_cfg.hidden_size, model_cfg.initializer_range, seed)
+    set_rows = jax.jit(
+        lambda t, r: t.at[: r.shape[0]].set(r.astype(t.dtype)),
+        out_shardings=table.value.sharding,
+    )
+    table.value = set_rows(table.value, jnp.asarray(rows))
+    log(
+        f"vision embeddings of the {len(rows)} codes from the codebook of {vqgan_path} "
+        f"(train.vision_embed_init=codebook)"
+    )
+    return params

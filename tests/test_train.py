@@ -281,3 +281,67 @@ def test_two_processes_equal_one(reference, tmp_path):
     for step in range(1, 13):
         assert got[step] == pytest.approx(reference[step], rel=1e-6), step
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_codebook_init_puts_codes_that_look_alike_close(tmp_path):
+    """train.vision_embed_init=codebook: the rows of the VQGAN's codes are a linear image of
+    its codebook (rank = the code dimension), at the scale of a random initialisation, with
+    distances that follow the codebook's; every other parameter is the random initialisation."""
+    from tokenize_helpers import save_tiny_vqgan
+
+    import vqgan
+    from lwm.base.mesh import make_mesh
+    from lwm.config import load_config
+    from lwm.train import _initial_params
+
+    vq = save_tiny_vqgan(tmp_path / "vq")
+    cfg = load_config(ROOT / "configs/debug.yaml", ["train.vision_embed_init=codebook"])
+    random_cfg = load_config(ROOT / "configs/debug.yaml")
+    mesh = make_mesh("1,2,2,2")
+    logged = []
+    params = _initial_params(cfg, cfg.model, mesh, logged.append, {"vqgan": {"path": str(vq)}})
+    fresh = _initial_params(random_cfg, random_cfg.model, mesh, print)
+    codebook = np.asarray(vqgan.load_model(vq).quantizer.embeddings[...], np.float64)
+    k, dim = codebook.shape
+    table = np.asarray(params["embed_vision"].value, np.float64)
+    rows = table[:k]
+    np.testing.assert_array_equal(table[k:], np.asarray(fresh["embed_vision"].value)[k:])
+    # a linear image of the codebook: least squares from [codebook, 1] leaves nothing
+    basis = np.concatenate([codebook, np.ones((k, 1))], axis=1)
+    fit = basis @ np.linalg.lstsq(basis, rows, rcond=None)[0]
+    assert np.abs(rows - fit).max() < 1e-5 * np.abs(rows).max()
+    assert np.linalg.matrix_rank(rows, tol=1e-6 * np.abs(rows).max()) == dim
+    assert 0.5 < rows.std() / cfg.model.initializer_range < 2.0
+    # codes close in the codebook are close in the table
+    i, j = np.triu_indices(k, 1)
+    standard = (codebook - codebook.mean(0)) / codebook.std(0)
+    near = np.linalg.norm(standard[i] - standard[j], axis=1)
+    embedded = np.linalg.norm(rows[i] - rows[j], axis=1)
+    assert np.corrcoef(near, embedded)[0, 1] > 0.8
+    before = dict(fresh.flat_state())
+    others = [
+        np.array_equal(np.asarray(x[...]), np.asarray(before[path][...]))
+        for path, x in params.flat_state()
+        if path != ("embed_vision",)
+    ]
+    assert len(others) > 5 and all(others)
+    assert f"from the codebook of {vq}" in logged[0]
+
+
+ONE_STEP = ("train.steps=1", "mesh.shape=1,2,2,2")
+
+
+def test_codebook_init_needs_a_dataset_with_a_vqgan(tmp_path):
+    r = lwm_train_here(tmp_path / "a", *ONE_STEP, "train.vision_embed_init=codebook")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    line = r.stderr.strip().splitlines()[-1]
+    assert "train.vision_embed_init=codebook needs a dataset tokenized with a VQGAN" in line
+    assert "data.source 'synthetic' names none" in line
+    r = lwm_train_here(
+        tmp_path / "b",
+        *ONE_STEP,
+        "train.vision_embed_init=codebook",
+        f"train.init_from=run:{tmp_path / 'a'}",
+    )
+    assert r.returncode == 1
+    assert "train.vision_embed_init=codebook is for a fresh model" in r.stderr
