@@ -21,11 +21,12 @@ what is there for one frame) and a draw whose frames do not give every answer is
 
 writes ``OUT/videos/00000.mp4 ...`` (H.264), ``OUT/videos.jsonl`` (every attribute of every
 video) and ``OUT/manifest.jsonl``, the input of ``lwm tokenize``: per video one caption line
-``{"video": "videos/00000.mp4", "text": "..."}`` (not with ``--no-captions``) and two QA lines
-``{"video": "videos/00000.mp4", "qa": [{"question": "...", "answer": "...", "category": "..."}]}``:
-two training records (`lwm tokenize` encodes the video once), grouped so that no answer can be
-copied from an earlier turn of its record (`VideoSpec.qa_records`). Categories: ``count``,
-``count_shape``, ``colour``, ``shape``, ``direction``, ``needle``. Video paths in the manifest are relative
+``{"video": "videos/00000.mp4", "text": "..."}`` (not with ``--no-captions``) and one QA line
+``{"video": "videos/00000.mp4", "qa": [{"question": "...", "answer": "...", "category": "..."}]}``
+per kind of question: one training record each (`lwm tokenize` encodes the video once), so
+that every kind is the first turn of a record and no answer can be copied from an earlier
+turn (`VideoSpec.qa_records`). Categories (`CATEGORIES`): ``count``, ``count_shape``,
+``colour``, ``shape``, ``direction``, ``needle``. Video paths in the manifest are relative
 to the manifest's directory (`data.manifest.read_inputs` reads them). Files are written under temporary
 names and renamed when complete.
 """
@@ -53,6 +54,7 @@ from lwm.base.files import write_jsonl
 
 __all__ = [
     "BACKGROUND",
+    "CATEGORIES",
     "DIRECTIONS",
     "PALETTE",
     "SHAPES",
@@ -66,6 +68,8 @@ __all__ = [
     "write_dataset",
 ]
 
+# The kinds of question (`VideoSpec.qa_records`: one training record each, in this order).
+CATEGORIES = ("count", "count_shape", "colour", "shape", "direction", "needle")
 # Radius of a circle around each shape, in units of its size parameter `radius`.
 _BOUND = 1.25
 # Shape sizes and distances travelled over the whole video, as fractions of the frame size.
@@ -131,51 +135,46 @@ class VideoSpec:
 
     @property
     def qa_records(self) -> list[list[dict[str, str]]]:
-        """The questions about this video, each with its answer and its category, grouped into
-        the training records that hold them, so that no turn's answer can be read off an
-        earlier turn of its record: a model that learns the answers must learn them from the
-        video.
+        """The questions about this video, each with its answer and its category, as the
+        training records that hold them: one record per category, in `CATEGORIES` order (a
+        category without questions has none), its turns in an order drawn for this video.
 
         Categories: ``count`` (moving shapes), ``count_shape`` (moving shapes of each kind,
         zero included), ``colour`` (of the one moving shape of a kind), ``shape`` (of the
         moving object of a colour), ``direction`` (of the moving object of a colour), ``needle``
         (what appeared for one frame, or "nothing").
 
-        - first record: count, shape, direction and needle, in an order drawn for this video
-          (every kind is the first turn, where `lwm ask` puts a question, in some videos). The
-          questions name objects by colour only, and no answer names a colour (how many
-          colours are named does tell the count, which the video gives as plainly);
-        - second record: count_shape, then colour. "What colour is the moving square?" is
-          asked only when one square moves, so it would give away the square count if it came
-          first; "What shape is the red one?" and "What colour is the moving square?" give
-          each other away, so they are in different records."""
+        Why so: every kind of question is the first turn of its record, where `lwm ask` puts a
+        question (a small model answers a question it has learned only after other turns far
+        worse when it is asked first), and no answer can be read off an earlier turn of its
+        record, so a model that learns the answers learns them from the video: objects are
+        named by colour only, and "what shape is the red one" and "what colour is the moving
+        square", each other's inverse, are never in one record."""
         rng = np.random.default_rng([self.seed, self.index, 1])
         counts = {s: sum(o.shape == s for o in self.objects) for s in SHAPES}
-        first = [("How many shapes move in the video?", NUMBER_WORDS[len(self.objects)])]
-        for o in self.objects:
-            first.append((f"What shape is the {o.colour} one?", o.shape))
-            first.append((f"Which direction does the {o.colour} one move?", o.direction))
         n = self.needle
-        first.append(
-            ("What appeared briefly?", f"{with_article(n.colour)} {n.shape}" if n else "nothing")
-        )
-        counted = [(f"How many {s}s move in the video?", NUMBER_WORDS[counts[s]]) for s in SHAPES]
-        coloured = [
+        turns = [("How many shapes move in the video?", NUMBER_WORDS[len(self.objects)])]
+        turns += [(f"How many {s}s move in the video?", NUMBER_WORDS[counts[s]]) for s in SHAPES]
+        turns += [
             (f"What colour is the moving {o.shape}?", o.colour)
             for o in self.objects
             if counts[o.shape] == 1
         ]
-        records = [
-            [first[i] for i in rng.permutation(len(first))],
-            [counted[i] for i in rng.permutation(len(counted))]
-            + [coloured[i] for i in rng.permutation(len(coloured))],
+        turns += [(f"What shape is the {o.colour} one?", o.shape) for o in self.objects]
+        turns += [
+            (f"Which direction does the {o.colour} one move?", o.direction) for o in self.objects
         ]
+        turns.append(
+            ("What appeared briefly?", f"{with_article(n.colour)} {n.shape}" if n else "nothing")
+        )
+        by_category: dict[str, list[dict[str, str]]] = {c: [] for c in CATEGORIES}
+        for q, a in turns:
+            category = question_category(q) or "other"
+            by_category[category].append({"question": q, "answer": a, "category": category})
         return [
-            [
-                {"question": q, "answer": a, "category": question_category(q) or "other"}
-                for q, a in r
-            ]
-            for r in records
+            [record[i] for i in rng.permutation(len(record))]
+            for record in by_category.values()
+            if record
         ]
 
     @property

@@ -1,5 +1,6 @@
 """The `lwm` command line, run as a user would."""
 
+import json
 import os
 import subprocess
 import sys
@@ -81,8 +82,11 @@ def test_synthetic_verb_writes_a_manifest_and_refuses_an_impossible_world(tmp_pa
     assert (
         main(["synthetic", "--out", str(out), "--count", "2", "--size", "32", "--frames", "4"]) == 0
     )
-    lines = (out / "manifest.jsonl").read_text().splitlines()
-    assert len(lines) == 4 and (out / "videos" / "00001.mp4").is_file()
+    lines = [json.loads(x) for x in (out / "manifest.jsonl").read_text().splitlines()]
+    assert (out / "videos" / "00001.mp4").is_file()
+    # per video: a caption, then one QA record per kind of question (count is always asked)
+    assert [set(x) for x in lines[:2]] == [{"video", "text"}, {"video", "qa"}]
+    assert sum("text" in x for x in lines) == 2 and len(lines) >= 2 + 2 * 5
     result = _lwm(
         "synthetic", "--out", str(tmp_path / "no"), "--size", "16", "--radius", "0.45,0.49"
     )

@@ -200,10 +200,16 @@ def test_manifest_qa_image_text_and_llama_tokenizer(tmp_path, media, vqgan_dir, 
     assert codec.tokenizer.decode(text["tokens"]) == "<s> Two shapes on a dark background.</s>"
 
 
-def _synthetic_manifest(folder: Path, seed: int = 1, count: int = 4) -> Path:
+def _synthetic_manifest(folder: Path, seed: int = 1, count: int = 3, lines: int = 12) -> Path:
+    """`lwm synthetic`'s manifest of ``count`` videos cut to its first ``lines`` lines (per
+    video a caption and one QA record per kind of question): the tests count on 12 items."""
     from data.synthetic import write_dataset
 
-    return write_dataset(folder, count=count, seed=seed, size=32, num_frames=6)
+    manifest = write_dataset(folder, count=count, seed=seed, size=32, num_frames=6)
+    kept = manifest.read_text().splitlines()[:lines]
+    assert len(kept) == lines
+    manifest.write_text("\n".join(kept) + "\n")
+    return manifest
 
 
 @pytest.fixture(scope="module")
@@ -265,7 +271,7 @@ def test_killed_run_resumes_to_the_same_dataset(tmp_path, synthetic, vqgan_dir, 
     proc.wait()
     proc.stderr.close()
     done = sorted(work.glob("chunk-*.json"))
-    assert not out.exists() and len(done) == 2  # of 4 videos x (caption, 2 QA records)
+    assert not out.exists() and len(done) == 2  # of the 12 lines
 
     assert lwm(["tokenize", *common, "--output", str(out), "--workers", "0"]) == 0
     assert f"resuming: {len(done)} of 12 chunks" in capsys.readouterr().err
