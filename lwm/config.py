@@ -156,7 +156,7 @@ class TrainConfig(BaseModel):
     # A fresh model's vision code embeddings: "random" (normal, model.initializer_range), or
     # "codebook": each code's vector in the codebook of the VQGAN that tokenized data.source,
     # standardised and projected to hidden_size at the same scale, so that codes which look
-    # alike start alike (lwm.train.codebook_embeddings)
+    # alike start alike (lwm.train.codebook_embeddings); not applied with init_from
     vision_embed_init: Literal["random", "codebook"] = "random"
     log_every: PositiveInt = 10
     save_every: PositiveInt = 100

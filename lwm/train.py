@@ -305,9 +305,9 @@ def _initial_params(cfg, model_cfg, mesh, log, metadata=None):
     source = cfg.train.init_from
     codebook_init = cfg.train.vision_embed_init == "codebook"
     if source and codebook_init:
-        raise TrainingError(
-            "train.vision_embed_init=codebook is for a fresh model; train.init_from "
-            f"'{source}' brings its own vision embeddings"
+        log(
+            f"train.vision_embed_init=codebook does not apply: train.init_from '{source}' brings "
+            "its own vision embeddings"
         )
     if not source:
         params = nnx.state(create_model(model_cfg, mesh=mesh, seed=cfg.seed), nnx.Param)

@@ -331,17 +331,19 @@ def test_codebook_init_puts_codes_that_look_alike_close(tmp_path):
 ONE_STEP = ("train.steps=1", "mesh.shape=1,2,2,2")
 
 
-def test_codebook_init_needs_a_dataset_with_a_vqgan(tmp_path):
+def test_codebook_init_needs_a_dataset_with_a_vqgan_and_a_fresh_model(tmp_path):
     r = lwm_train_here(tmp_path / "a", *ONE_STEP, "train.vision_embed_init=codebook")
     assert r.returncode == 1 and "Traceback" not in r.stderr
     line = r.stderr.strip().splitlines()[-1]
     assert "train.vision_embed_init=codebook needs a dataset tokenized with a VQGAN" in line
     assert "data.source 'synthetic' names none" in line
+    # A run initialised from another keeps that run's embeddings (a context stage of the demo).
+    assert lwm_train_here(tmp_path / "b", *ONE_STEP).returncode == 0
     r = lwm_train_here(
-        tmp_path / "b",
+        tmp_path / "c",
         *ONE_STEP,
         "train.vision_embed_init=codebook",
-        f"train.init_from=run:{tmp_path / 'a'}",
+        f"train.init_from=run:{tmp_path / 'b'}",
     )
-    assert r.returncode == 1
-    assert "train.vision_embed_init=codebook is for a fresh model" in r.stderr
+    assert r.returncode == 0
+    assert "train.vision_embed_init=codebook does not apply: train.init_from" in r.stderr
