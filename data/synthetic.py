@@ -141,15 +141,16 @@ class VideoSpec:
 
         Categories: ``count`` (moving shapes), ``count_shape`` (moving shapes of each kind,
         zero included), ``colour`` (of the one moving shape of a kind), ``shape`` (of the
-        moving object of a colour), ``direction`` (of the moving object of a colour), ``needle``
-        (what appeared for one frame, or "nothing").
+        moving object of a colour), ``direction`` (of each object, named by colour and shape),
+        ``needle`` (what appeared for one frame, or "nothing").
 
         Why so: every kind of question is the first turn of its record, where `lwm ask` puts a
         question (a small model answers a question it has learned only after other turns far
         worse when it is asked first), and no answer can be read off an earlier turn of its
-        record, so a model that learns the answers learns them from the video: objects are
-        named by colour only, and "what shape is the red one" and "what colour is the moving
-        square", each other's inverse, are never in one record."""
+        record, so a model that learns the answers learns them from the video: "which direction
+        does the red circle move" names the shape "what shape is the red one" asks for, and
+        "what colour is the moving square" is the inverse of the latter; each is in a record of
+        its own kind."""
         rng = np.random.default_rng([self.seed, self.index, 1])
         counts = {s: sum(o.shape == s for o in self.objects) for s in SHAPES}
         n = self.needle
@@ -162,7 +163,8 @@ class VideoSpec:
         ]
         turns += [(f"What shape is the {o.colour} one?", o.shape) for o in self.objects]
         turns += [
-            (f"Which direction does the {o.colour} one move?", o.direction) for o in self.objects
+            (f"Which direction does the {o.colour} {o.shape} move?", o.direction)
+            for o in self.objects
         ]
         turns.append(
             ("What appeared briefly?", f"{with_article(n.colour)} {n.shape}" if n else "nothing")

@@ -160,7 +160,7 @@ _PATTERNS: tuple[tuple[str, re.Pattern], ...] = (
     ("count_shape", re.compile(r"How many (\w+)s move in the video\?")),
     ("colour", re.compile(r"What colour is the moving (\w+)\?")),
     ("shape", re.compile(r"What shape is the (\w+) one\?")),
-    ("direction", re.compile(r"Which direction does the (\w+) one move\?")),
+    ("direction", re.compile(r"Which direction does the (\w+) (\w+) move\?")),
     ("needle", re.compile(r"What appeared briefly\?")),
 )
 
@@ -200,7 +200,7 @@ def answer(seen: Observation, question: str) -> str | None:
             return o.shape if o is not None else None
         if name == "direction":
             o = seen.objects.get(m.group(1))
-            return o.direction if o is not None else None
+            return o.direction if o is not None and o.shape == m.group(2) else None
         if name == "needle":
             if seen.needle is None:
                 return "nothing"
