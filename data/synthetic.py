@@ -21,12 +21,12 @@ what is there for one frame) and a draw whose frames do not give every answer is
 
 writes ``OUT/videos/00000.mp4 ...`` (H.264), ``OUT/videos.jsonl`` (every attribute of every
 video) and ``OUT/manifest.jsonl``, the input of ``lwm tokenize``: per video one caption line
-``{"video": "videos/00000.mp4", "text": "..."}`` (not with ``--no-captions``) and one QA line
-``{"video": "videos/00000.mp4", "qa": [{"question": "...", "answer": "...", "category": "..."}]}``
-per kind of question: one training record each (`lwm tokenize` encodes the video once), so
-that every kind is the first turn of a record and no answer can be copied from an earlier
-turn (`VideoSpec.qa_records`). Categories (`CATEGORIES`): ``count``, ``count_shape``,
-``colour``, ``shape``, ``direction``, ``needle``. Video paths in the manifest are relative
+``{"video": "videos/00000.mp4", "text": "..."}`` (not with ``--no-captions``) and its QA lines
+``{"video": "videos/00000.mp4", "qa": [{"question": "...", "answer": "...", "category": "..."}]}``,
+one per training record (`lwm tokenize` encodes the video once): by default one record of all
+the video's turns in a drawn order; ``qa_layout="kind"`` (``--qa-records kind``) one record
+per kind of question (`VideoSpec.qa_records`). Categories (`CATEGORIES`): ``count``,
+``count_shape``, ``colour``, ``shape``, ``direction``, ``needle``. Video paths in the manifest are relative
 to the manifest's directory (`data.manifest.read_inputs` reads them). Files are written under temporary
 names and renamed when complete.
 """
@@ -55,6 +55,7 @@ from lwm.base.files import write_jsonl
 __all__ = [
     "BACKGROUND",
     "CATEGORIES",
+    "QA_LAYOUTS",
     "DIRECTIONS",
     "PALETTE",
     "SHAPES",
@@ -70,6 +71,8 @@ __all__ = [
 
 # The kinds of question (`VideoSpec.qa_records`: one training record each, in this order).
 CATEGORIES = ("count", "count_shape", "colour", "shape", "direction", "needle")
+# How a video's questions become training records (`VideoSpec.qa_records`).
+QA_LAYOUTS = ("video", "kind")
 # Radius of a circle around each shape, in units of its size parameter `radius`.
 _BOUND = 1.25
 # Shape sizes and distances travelled over the whole video, as fractions of the frame size.
@@ -133,24 +136,25 @@ class VideoSpec:
             text += f" {needle} appears for a single frame."
         return text
 
-    @property
-    def qa_records(self) -> list[list[dict[str, str]]]:
+    def qa_records(self, layout: str = "video") -> list[list[dict[str, str]]]:
         """The questions about this video, each with its answer and its category, as the
-        training records that hold them: one record per category, in `CATEGORIES` order (a
-        category without questions has none), its turns in an order drawn for this video.
+        training records that hold them (`QA_LAYOUTS`):
+
+        - ``video``: one record of all the video's turns in an order drawn for this video, so
+          every kind of question is the first turn (where `lwm ask` puts a question) in some
+          videos. A later turn can read its answer off an earlier one ("which direction does
+          the red circle move" names what "what shape is the red one" asks);
+        - ``kind``: one record per kind of question, in `CATEGORIES` order, its turns in a
+          drawn order: every kind is the first turn of its record, and no answer can be read
+          off an earlier turn. Six records per video hold fewer answers per video token.
 
         Categories: ``count`` (moving shapes), ``count_shape`` (moving shapes of each kind,
         zero included), ``colour`` (of the one moving shape of a kind), ``shape`` (of the
         moving object of a colour), ``direction`` (of each object, named by colour and shape),
-        ``needle`` (what appeared for one frame, or "nothing").
-
-        Why so: every kind of question is the first turn of its record, where `lwm ask` puts a
-        question (a small model answers a question it has learned only after other turns far
-        worse when it is asked first), and no answer can be read off an earlier turn of its
-        record, so a model that learns the answers learns them from the video: "which direction
-        does the red circle move" names the shape "what shape is the red one" asks for, and
-        "what colour is the moving square" is the inverse of the latter; each is in a record of
-        its own kind."""
+        ``needle`` (what appeared for one frame, or "nothing"). On the demo's world and budget
+        ``video`` scores higher held-out (docs/qa.md, "Records that ask as inference asks")."""
+        if layout not in QA_LAYOUTS:
+            raise ValueError(f"unknown QA layout {layout!r}; choose one of {', '.join(QA_LAYOUTS)}")
         rng = np.random.default_rng([self.seed, self.index, 1])
         counts = {s: sum(o.shape == s for o in self.objects) for s in SHAPES}
         n = self.needle
@@ -169,10 +173,15 @@ class VideoSpec:
         turns.append(
             ("What appeared briefly?", f"{with_article(n.colour)} {n.shape}" if n else "nothing")
         )
+        dicts = [
+            {"question": q, "answer": a, "category": question_category(q) or "other"}
+            for q, a in turns
+        ]
+        if layout == "video":
+            return [[dicts[i] for i in rng.permutation(len(dicts))]]
         by_category: dict[str, list[dict[str, str]]] = {c: [] for c in CATEGORIES}
-        for q, a in turns:
-            category = question_category(q) or "other"
-            by_category[category].append({"question": q, "answer": a, "category": category})
+        for turn in dicts:
+            by_category[turn["category"]].append(turn)
         return [
             [record[i] for i in rng.permutation(len(record))]
             for record in by_category.values()
@@ -181,9 +190,9 @@ class VideoSpec:
 
     @property
     def qa(self) -> list[dict[str, str]]:
-        """Every question about this video with its answer and category: the turns of
-        `qa_records`, one record after the other."""
-        return [turn for record in self.qa_records for turn in record]
+        """Every question about this video with its answer and category, in the drawn order
+        of the ``video`` layout (`qa_records`)."""
+        return self.qa_records("video")[0]
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "caption": self.caption, "qa": self.qa}
@@ -386,12 +395,14 @@ def write_dataset(
     needle_prob: float = 0.5,
     progress: bool = False,
     captions: bool = True,
+    qa_layout: str = "video",
     **world: Any,
 ) -> Path:
     """Write ``count`` videos as MP4 under ``out/videos`` with ``videos.jsonl`` and
     ``manifest.jsonl`` (see the module docstring); returns the manifest's path. ``world``:
     `sample_video`'s ``max_objects``, ``radius``, ``travel``. ``captions=False`` leaves the
-    caption lines out of the manifest (``videos.jsonl`` still has every caption)."""
+    caption lines out of the manifest (``videos.jsonl`` still has every caption); ``qa_layout``:
+    how questions become records (`QA_LAYOUTS`, `VideoSpec.qa_records`)."""
     from lwm.base.media import write_mp4
 
     out = Path(out)
@@ -416,7 +427,7 @@ def write_dataset(
         specs.append({"video": rel, **spec.to_json()})
         if captions:
             manifest.append({"video": rel, "text": spec.caption})
-        manifest.extend({"video": rel, "qa": record} for record in spec.qa_records)
+        manifest.extend({"video": rel, "qa": record} for record in spec.qa_records(qa_layout))
     write_jsonl(out / "videos.jsonl", specs)
     write_jsonl(out / "manifest.jsonl", manifest)
     return out / "manifest.jsonl"

@@ -84,9 +84,14 @@ def test_synthetic_verb_writes_a_manifest_and_refuses_an_impossible_world(tmp_pa
     )
     lines = [json.loads(x) for x in (out / "manifest.jsonl").read_text().splitlines()]
     assert (out / "videos" / "00001.mp4").is_file()
-    # per video: a caption, then one QA record per kind of question (count is always asked)
-    assert [set(x) for x in lines[:2]] == [{"video", "text"}, {"video", "qa"}]
+    # per video: a caption, then one QA record (by default) or one per kind of question
+    assert [set(x) for x in lines] == [{"video", "text"}, {"video", "qa"}] * 2
+    by_kind = tmp_path / "by_kind"
+    args = ["--count", "2", "--size", "32", "--frames", "4", "--qa-records", "kind"]
+    assert main(["synthetic", "--out", str(by_kind), *args]) == 0
+    lines = [json.loads(x) for x in (by_kind / "manifest.jsonl").read_text().splitlines()]
     assert sum("text" in x for x in lines) == 2 and len(lines) >= 2 + 2 * 5
+    assert all(len({t["category"] for t in x["qa"]}) == 1 for x in lines if "qa" in x)
     result = _lwm(
         "synthetic", "--out", str(tmp_path / "no"), "--size", "16", "--radius", "0.45,0.49"
     )

@@ -200,16 +200,10 @@ def test_manifest_qa_image_text_and_llama_tokenizer(tmp_path, media, vqgan_dir, 
     assert codec.tokenizer.decode(text["tokens"]) == "<s> Two shapes on a dark background.</s>"
 
 
-def _synthetic_manifest(folder: Path, seed: int = 1, count: int = 3, lines: int = 12) -> Path:
-    """`lwm synthetic`'s manifest of ``count`` videos cut to its first ``lines`` lines (per
-    video a caption and one QA record per kind of question): the tests count on 12 items."""
+def _synthetic_manifest(folder: Path, seed: int = 1, count: int = 6) -> Path:
     from data.synthetic import write_dataset
 
-    manifest = write_dataset(folder, count=count, seed=seed, size=32, num_frames=6)
-    kept = manifest.read_text().splitlines()[:lines]
-    assert len(kept) == lines
-    manifest.write_text("\n".join(kept) + "\n")
-    return manifest
+    return write_dataset(folder, count=count, seed=seed, size=32, num_frames=6)
 
 
 @pytest.fixture(scope="module")
@@ -271,7 +265,7 @@ def test_killed_run_resumes_to_the_same_dataset(tmp_path, synthetic, vqgan_dir, 
     proc.wait()
     proc.stderr.close()
     done = sorted(work.glob("chunk-*.json"))
-    assert not out.exists() and len(done) == 2  # of the 12 lines
+    assert not out.exists() and len(done) == 2  # of 6 videos x (caption, QA) lines
 
     assert lwm(["tokenize", *common, "--output", str(out), "--workers", "0"]) == 0
     assert f"resuming: {len(done)} of 12 chunks" in capsys.readouterr().err

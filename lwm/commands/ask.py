@@ -4,8 +4,8 @@
   lwm ask --model run:runs/demo/lm --video clip.mp4 --question "..." --question "..."
 
 Each question is asked on its own, right after the video, where training records put their
-first turn (the synthetic world writes one record per kind of question, so every kind is the
-first turn of its record). One JSON
+first turn (the synthetic world draws the order of a record's turns per video, so any kind of
+question is the first in some records). One JSON
 line per question: the answer, and "cut": true when it did not end within --max-new-tokens.
 The video is sampled as the run's training dataset was, and --vqgan and --tokenizer default to
 that dataset's (see `lwm eval qa` for scoring a whole manifest).

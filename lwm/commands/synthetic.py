@@ -46,6 +46,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-captions", action="store_true", help="only QA lines in the manifest, no captions"
     )
+    parser.add_argument(
+        "--qa-records",
+        choices=("video", "kind"),
+        default="video",
+        help="QA training records: one per video with all its turns in a drawn order "
+        "(default), or one per kind of question (no turn gives a later one's answer away)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -62,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
             needle_prob=args.needle_prob,
             progress=True,
             captions=not args.no_captions,
+            qa_layout=args.qa_records,
             max_objects=args.max_objects,
             radius=args.radius,
             travel=args.travel,
