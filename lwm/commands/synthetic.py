@@ -25,7 +25,7 @@ def _pair(text: str) -> tuple[float, float]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from data.synthetic import RADIUS, TRAVEL
+    from data.synthetic import QA_LAYOUTS, RADIUS, TRAVEL
 
     parser.add_argument("--out", required=True, help="output folder")
     parser.add_argument("--count", type=int, default=100, help="number of videos")
@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--qa-records",
-        choices=("video", "kind"),
+        choices=QA_LAYOUTS,
         default="video",
         help="QA training records: one per video with all its turns in a drawn order "
         "(default), or one per kind of question (no turn gives a later one's answer away)",
