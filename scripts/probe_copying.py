@@ -1,7 +1,7 @@
-"""Does a world model answer from the video or copy an earlier turn? Until the synthetic
-world grouped its questions into leak-free records (`data.synthetic.VideoSpec.qa_records`), a
-training record held all of a video's turns, and "Which direction does the red circle move?"
-named the shape that "What shape is the red one?" asks. For every held-out shape question,
+"""Does a world model answer from the video or copy an earlier turn? In `lwm synthetic`'s
+default layout a training record holds all of a video's turns, and "Which direction does the
+red circle move?" names the shape that "What shape is the red one?" asks (`--qa-records kind`
+keeps them apart: `data.synthetic.VideoSpec.qa_records`). For every held-out shape question,
 asked in a fresh `lwm.chat.ChatSession`: first; after a turn "Which direction does the COLOUR
 SHAPE move?" that names the right shape; after one that names a wrong shape (then counted when
 the model repeats that wrong shape). One JSON line.
