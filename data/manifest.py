@@ -8,7 +8,9 @@ A manifest has one JSON object per line:
     {"video": "clips/c.mp4"}                                                video alone
     {"text": "Any text."}                                                   text only
 
-Relative paths are relative to the manifest's folder. A folder means every file with a video
+A ``qa`` entry may also carry ``"category"`` (for `lwm eval qa`'s table) and ``"learn": false``
+(the turn stays in the record as context but its answer is not trained on). Relative paths are
+relative to the manifest's folder. A folder means every file with a video
 extension under it (recursively, sorted by path), each with the caption in a sidecar file of the
 same name ending ``.txt`` (``a.mp4`` -> ``a.txt``) where there is one. The order of the items is
 the order of the dataset. A malformed line is an error of the whole input (`ManifestError`); a
@@ -47,11 +49,14 @@ class ManifestError(ValueError):
 
 
 class QATurn(NamedTuple):
-    """One question about an item, its answer, and optionally its category (for scoring)."""
+    """One question about an item, its answer, optionally its category (for scoring), and
+    whether its answer is learned (``learn``; False: the turn is context only, its answer gets
+    no loss)."""
 
     question: str
     answer: str
     category: str | None = None
+    learn: bool = True
 
 
 @dataclass(frozen=True)
@@ -63,10 +68,10 @@ class Item:
     text: str | None = None
     qa: tuple[QATurn, ...] | None = None
 
-    def qa_dicts(self) -> list[dict[str, str]] | None:
+    def qa_dicts(self) -> list[dict[str, Any]] | None:
         if self.qa is None:
             return None
-        return [{"question": turn[0], "answer": turn[1]} for turn in self.qa]
+        return [{"question": t.question, "answer": t.answer, "learn": t.learn} for t in self.qa]
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -141,7 +146,10 @@ def _item(row: Any, base: Path, where: str) -> Item:
             category = turn.get("category")
             if category is not None and not isinstance(category, str):
                 raise ManifestError(f"{where}: a 'qa' entry's 'category' must be a string")
-            pairs.append(QATurn(turn["question"], turn["answer"], category))
+            learn = turn.get("learn", True)
+            if not isinstance(learn, bool):
+                raise ManifestError(f"{where}: a 'qa' entry's 'learn' must be true or false")
+            pairs.append(QATurn(turn["question"], turn["answer"], category, learn))
         pairs = tuple(pairs)
     if not media:
         if text is None:

@@ -34,6 +34,7 @@ names and renamed when complete.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -143,7 +144,9 @@ class VideoSpec:
         - ``video``: one record of all the video's turns in an order drawn for this video, so
           every kind of question is the first turn (where `lwm ask` puts a question) in some
           videos. A later turn can read its answer off an earlier one ("which direction does
-          the red circle move" names what "what shape is the red one" asks);
+          the red circle move" names what "what shape is the red one" asks): such turns are
+          marked ``"learn": False`` (context only, their answers get no loss), so the answers
+          learned are read from the video, not copied;
         - ``kind``: one record per kind of question, in `CATEGORIES` order, its turns in a
           drawn order: every kind is the first turn of its record, and no answer can be read
           off an earlier turn. Six records per video hold fewer answers per video token.
@@ -174,11 +177,11 @@ class VideoSpec:
             ("What appeared briefly?", f"{with_article(n.colour)} {n.shape}" if n else "nothing")
         )
         dicts = [
-            {"question": q, "answer": a, "category": question_category(q) or "other"}
+            {"question": q, "answer": a, "category": question_category(q) or "other", "learn": True}
             for q, a in turns
         ]
         if layout == "video":
-            return [[dicts[i] for i in rng.permutation(len(dicts))]]
+            return [_mark_given_away([dicts[i] for i in rng.permutation(len(dicts))], self)]
         by_category: dict[str, list[dict[str, str]]] = {c: [] for c in CATEGORIES}
         for turn in dicts:
             by_category[turn["category"]].append(turn)
@@ -196,6 +199,20 @@ class VideoSpec:
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "caption": self.caption, "qa": self.qa}
+
+
+def _mark_given_away(record: list[dict[str, Any]], spec: VideoSpec) -> list[dict[str, Any]]:
+    """``record`` with ``"learn": False`` on each colour or shape turn whose answer an earlier
+    turn gives away (an earlier question or answer names the object's colour and shape
+    together): the turn stays as context, but its answer teaches copying, not seeing."""
+    named: list[set[str]] = []
+    for turn in record:
+        words = set(re.findall(r"[a-z]+", f"{turn['question']} {turn['answer']}".lower()))
+        if turn["category"] in ("colour", "shape"):
+            about = [o for o in spec.objects if {o.colour, o.shape} <= words]
+            turn["learn"] = not any({o.colour, o.shape} <= w for o in about for w in named)
+        named.append(words)
+    return record
 
 
 def with_article(word: str) -> str:

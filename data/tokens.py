@@ -20,11 +20,13 @@ record         tokens                                                     loss_m
 ============== ========================================================== ====================
 video+caption  B <vision> V </vision> caption E                            everything but B
 caption+video  B caption <vision> V </vision> E                            everything but B
-video+QA       B <vision> V </vision> ("USER: q ASSISTANT:" " a" E) x n    each " a" and its E
+video+QA       B <vision> V </vision> ("USER: q ASSISTANT:" " a" E) x n    each " a" and E (*)
 image(+..)     as a video of one frame (caption, QA or neither)           as for the video
 video, no text B <vision> V </vision> E                                   everything but B
 text only      B text E                                                   everything but B
 ============== ========================================================== ====================
+
+(*) except the answers of turns marked ``"learn": false`` (context only).
 
 Caption-first records (``text_first=True``; `lwm tokenize --text-first-ratio`) teach the model
 to continue a caption with its video: text-to-video generation prompts with
@@ -274,7 +276,8 @@ def build_example(
     if qa is not None:
         for turn in qa:
             ex.add(codec.encode(qa_prompt(turn["question"])), vision=False, loss=False)
-            ex.add(codec.encode(" " + turn["answer"]) + eos, vision=False, loss=True)
+            learn = bool(turn.get("learn", True))
+            ex.add(codec.encode(" " + turn["answer"]) + eos, vision=False, loss=learn)
     else:
         if text:
             ex.add(codec.encode(text), vision=False, loss=True)

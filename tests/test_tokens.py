@@ -119,6 +119,12 @@ def test_qa_record(codec):
     assert trained == " two</s> red</s>"
     context = codec.tokenizer.decode(t[loss == 0], skip_special_tokens=False)
     assert context.startswith("<s><vision>") and "USER: How many? ASSISTANT:" in context
+    # a turn marked "learn": false is context: same tokens, its answer and EOS get no loss
+    qa[0]["learn"] = False
+    ex2 = build_example(codec, codes, qa=qa)
+    assert ex2["tokens"].tolist() == t.tolist()
+    trained = codec.tokenizer.decode(t[ex2["loss_mask"] == 1], skip_special_tokens=False)
+    assert trained == " red</s>"
 
 
 def test_text_only_and_bare_video_records(codec):
@@ -143,6 +149,7 @@ def test_manifest_lines_and_relative_paths(tmp_path):
     rows = [
         {"video": "v/a.mp4", "text": "cap"},
         {"video": "/abs/b.mp4", "qa": [{"question": "q", "answer": "a"}]},
+        {"video": "c.mp4", "qa": [{"question": "q", "answer": "a", "learn": False}]},
         {"image": "i.png"},
         {"text": "just text"},
     ]
@@ -152,6 +159,7 @@ def test_manifest_lines_and_relative_paths(tmp_path):
     assert items == [
         Item("video", str(tmp_path / "v/a.mp4"), text="cap"),
         Item("video", "/abs/b.mp4", qa=(QATurn("q", "a"),)),
+        Item("video", str(tmp_path / "c.mp4"), qa=(QATurn("q", "a", learn=False),)),
         Item("image", str(tmp_path / "i.png")),
         Item("text", None, text="just text"),
     ]
@@ -159,6 +167,10 @@ def test_manifest_lines_and_relative_paths(tmp_path):
         ('{"video": "a.mp4", "text": "x", "qa": []}', "both 'text' and 'qa'"),
         ('{"qa": [{"question": "q", "answer": "a"}]}', "needs 'video', 'image' or 'text'"),
         ('{"video": "a.mp4", "qa": [{"question": "q"}]}', "'question' and 'answer'"),
+        (
+            '{"video": "a.mp4", "qa": [{"question": "q", "answer": "a", "learn": 0}]}',
+            "'learn' must be true or false",
+        ),
         ("[1]", "expected a JSON object"),
     ]:
         path.write_text('{"text": "ok"}\n' + bad + "\n")
