@@ -235,6 +235,12 @@ def _place(rng: np.random.Generator, size: int, radius: float, travel: float, di
     return float(rng.uniform(lo_x, hi_x)), float(rng.uniform(lo_y, hi_y))
 
 
+def _pick(rng: np.random.Generator, options) -> str:
+    """``rng.choice(options)`` (the same draw from the same stream), without its array
+    conversion: sampling runs it tens of thousands of times per dataset."""
+    return str(options[int(rng.integers(len(options)))])
+
+
 def _apart(a: tuple[float, float], ra: float, b: tuple[float, float], rb: float) -> bool:
     return float(np.hypot(a[0] - b[0], a[1] - b[1])) >= _BOUND * (ra + rb) + 2
 
@@ -301,9 +307,9 @@ def _draw(rng, seed, index, size, num_frames, fps, n, with_needle, radius, trave
     for _ in range(n):
         for _attempt in range(50):
             used = {o.colour for o in objects}
-            colour = str(rng.choice([c for c in colours if c not in used]))
-            shape = str(rng.choice(SHAPES))
-            direction = str(rng.choice(list(DIRECTIONS)))
+            colour = _pick(rng, [c for c in colours if c not in used])
+            shape = _pick(rng, SHAPES)
+            direction = _pick(rng, list(DIRECTIONS))
             r = float(size * rng.uniform(*radius))
             distance = float(size * rng.uniform(*travel))
             start = _place(rng, size, r, distance, direction)
@@ -330,8 +336,8 @@ def _draw(rng, seed, index, size, num_frames, fps, n, with_needle, radius, trave
             margin = _BOUND * r + 1
             x, y = (float(v) for v in rng.uniform(margin, size - margin, size=2))
             if all(_apart((x, y), r, o.centre(frame), o.radius) for o in objects):
-                colour = str(rng.choice([c for c in colours if c not in used]))
-                needle = Needle(str(rng.choice(SHAPES)), colour, frame, x, y, r)
+                colour = _pick(rng, [c for c in colours if c not in used])
+                needle = Needle(_pick(rng, SHAPES), colour, frame, x, y, r)
                 break
         else:
             return None
