@@ -56,6 +56,7 @@ from lwm.base.files import write_jsonl
 __all__ = [
     "BACKGROUND",
     "CATEGORIES",
+    "DEMO_WORLD",
     "QA_LAYOUTS",
     "DIRECTIONS",
     "PALETTE",
@@ -67,6 +68,7 @@ __all__ = [
     "render_video",
     "sample_video",
     "with_article",
+    "world_flags",
     "write_dataset",
 ]
 
@@ -79,6 +81,25 @@ _BOUND = 1.25
 # Shape sizes and distances travelled over the whole video, as fractions of the frame size.
 RADIUS: tuple[float, float] = (0.09, 0.14)
 TRAVEL: tuple[float, float] = (0.15, 0.35)
+# The demo's world (`sample_video` keywords), used by scripts/demo.py and everything built on
+# its models (needle evaluation, the context-extension and text-to-video scripts, probes):
+# 32x32 frames (8x8 codes of the demo VQGAN) with up to two shapes, as large as two still fit
+# with room to move, so that a circle and a square differ in more than a few pixels.
+DEMO_WORLD: dict[str, Any] = {
+    "size": 32,
+    "radius": (0.14, 0.18),
+    "travel": (0.3, 0.4),
+    "max_objects": 2,
+}
+
+
+def world_flags(world: dict[str, Any]) -> list[str]:
+    """``world`` (`sample_video` keywords such as `DEMO_WORLD`) as `lwm synthetic` options."""
+    flags = []
+    for key, value in world.items():
+        text = ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+        flags += [f"--{key.replace('_', '-')}", text]
+    return flags
 
 
 @dataclass(frozen=True)

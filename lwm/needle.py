@@ -199,7 +199,7 @@ def needle_video(
     uint8 frames ``[frames, size, size, 3]``, the expected answer and the needle's frames.
     ``world``: `data.synthetic.sample_video`'s ``max_objects``, ``radius``, ``travel``;
     ``needle_radius``: the needle's radius range (default: the shapes' ``radius``)."""
-    from data.synthetic import PALETTE, SHAPES, render_video, sample_video, shape_mask
+    from data.synthetic import DEMO_WORLD, PALETTE, SHAPES, render_video, sample_video, shape_mask
     from data.synthetic import with_article as article
 
     if not 1 <= needle_frames <= frames:
@@ -218,7 +218,7 @@ def needle_video(
         if index > 100 * frames:
             raise ValueError(f"no clips of seed {seed} avoid the colour {colour}")
     video = np.concatenate(parts)[:frames].copy()
-    lo, hi = needle_radius or world.get("radius", (0.12, 0.16))
+    lo, hi = needle_radius or world.get("radius", DEMO_WORLD["radius"])
     radius = float(rng.uniform(lo, hi)) * size
     margin = 1.3 * radius + 1
     x, y = (float(v) for v in rng.uniform(margin, size - margin, 2))

@@ -34,11 +34,13 @@ import sys
 import time
 from pathlib import Path
 
-from steps import demo_vqgan_command, run_step  # scripts/steps.py
+from steps import ROOT, demo_vqgan_command, run_step  # scripts/steps.py
 
-# The demo's world: 32x32 frames, 1-2 shapes large enough for 8x8 codes to tell them apart.
-WORLD = ["--size", "32", "--radius", "0.12,0.16", "--travel", "0.3,0.45", "--max-objects", "2"]
-WORLD += ["--no-captions"]
+sys.path.insert(0, str(ROOT))
+from data.synthetic import DEMO_WORLD, world_flags  # noqa: E402
+
+# The demo's world (`data.synthetic.DEMO_WORLD`), questions only.
+WORLD = [*world_flags(DEMO_WORLD), "--no-captions"]
 
 
 def run(cmd: list[str], *, env: dict[str, str], capture: bool = False) -> str:

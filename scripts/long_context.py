@@ -35,8 +35,9 @@ from pathlib import Path
 from steps import ROOT, demo_vqgan_command, run_step  # scripts/steps.py
 
 sys.path.insert(0, str(ROOT))
+from data.synthetic import DEMO_WORLD  # noqa: E402
 
-WORLD = {"size": 32, "radius": (0.12, 0.16), "travel": (0.3, 0.45), "max_objects": 2}
+WORLD = DEMO_WORLD
 
 
 def run(cmd: list[str]) -> None:

@@ -22,7 +22,7 @@ prints one JSON line per measurement:
 
     python scripts/probe_vqgan.py --vqgan runs/demo/vqgan --videos 200 --frames 8
     python scripts/probe_vqgan.py --vqgan runs/demo/vqgan --videos 2500 --frames 4 \
-        --max-objects 2 --radius 0.12,0.16 --travel 0.3,0.45 --mlp    # the demo's world
+        --max-objects 2 --radius 0.14,0.18 --travel 0.3,0.4 --mlp    # the demo's world
 """
 
 from __future__ import annotations

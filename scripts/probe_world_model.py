@@ -34,6 +34,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from data.synthetic import DEMO_WORLD  # noqa: E402
 
 
 def main() -> int:
@@ -48,9 +49,14 @@ def main() -> int:
     p.add_argument("--videos", type=int, default=600)
     p.add_argument("--frames", type=int, default=4)
     p.add_argument("--seed", type=int, default=5, help="a seed no run trained on")
-    p.add_argument("--max-objects", type=int, default=2)
-    p.add_argument("--radius", default="0.12,0.16", help="LO,HI as in lwm synthetic")
-    p.add_argument("--travel", default="0.3,0.45", help="LO,HI as in lwm synthetic")
+    w = DEMO_WORLD  # the default: the demo's world
+    p.add_argument("--max-objects", type=int, default=w["max_objects"])
+    p.add_argument(
+        "--radius", default=",".join(map(str, w["radius"])), help="LO,HI as in lwm synthetic"
+    )
+    p.add_argument(
+        "--travel", default=",".join(map(str, w["travel"])), help="LO,HI as in lwm synthetic"
+    )
     args = p.parse_args()
 
     import jax

@@ -26,9 +26,13 @@ import sys
 import time
 from pathlib import Path
 
-from steps import demo_vqgan_command, run_step  # scripts/steps.py
+from steps import ROOT, demo_vqgan_command, run_step  # scripts/steps.py
 
-WORLD = ["--size", "32", "--radius", "0.12,0.16", "--travel", "0.3,0.45", "--max-objects", "1"]
+sys.path.insert(0, str(ROOT))
+from data.synthetic import DEMO_WORLD, world_flags  # noqa: E402
+
+# The demo's world with one shape per video.
+WORLD = world_flags({**DEMO_WORLD, "max_objects": 1})
 
 
 def run(cmd: list[str]) -> None:

@@ -10,6 +10,7 @@ import pytest
 from data.manifest import read_inputs
 from data.synthetic import (
     CATEGORIES,
+    DEMO_WORLD,
     NUMBER_WORDS,
     check_spec,
     render_frames,
@@ -35,6 +36,7 @@ def test_deterministic() -> None:
 WORLDS = [
     dict(size=48, num_frames=10, needle_prob=0.6),
     dict(size=32, num_frames=4, radius=(0.12, 0.16), travel=(0.3, 0.45), max_objects=2),
+    dict(DEMO_WORLD, num_frames=4),
     dict(size=64, num_frames=8, max_objects=3),
 ]
 

@@ -31,6 +31,7 @@ import json
 import sys
 from collections.abc import Sequence
 
+from data.synthetic import DEMO_WORLD
 from lwm.commands import add_cpu_devices, positive_int
 
 _SUBPARSERS: dict[str, argparse.ArgumentParser] = {}
@@ -102,9 +103,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--haystack", help="text file of the haystack (default: lwm/haystack.txt)")
     p.add_argument("--clip-frames", type=positive_int, default=4, help="video: frames per clip")
     p.add_argument("--needle-frames", type=positive_int, default=1, help="video: needle frames")
-    p.add_argument("--max-objects", type=positive_int, default=2, help="video: shapes per clip")
     p.add_argument(
-        "--radius", type=_numbers(float), default=[0.12, 0.16], help="video: shape radius range"
+        "--max-objects",
+        type=positive_int,
+        default=DEMO_WORLD["max_objects"],
+        help="video: shapes per clip (default: the demo's world)",
+    )
+    p.add_argument(
+        "--radius",
+        type=_numbers(float),
+        default=list(DEMO_WORLD["radius"]),
+        help="video: shape radius range (default: the demo's world)",
     )
     p.add_argument(
         "--needle-radius",
@@ -218,6 +227,7 @@ def _needle(args: argparse.Namespace) -> int:
                 needle_frames=args.needle_frames,
                 max_objects=args.max_objects,
                 radius=tuple(args.radius),
+                travel=DEMO_WORLD["travel"],
                 needle_radius=tuple(args.needle_radius) if args.needle_radius else None,
             )
         else:
