@@ -158,7 +158,9 @@ class VideoSpec:
             text += f" {needle} appears for a single frame."
         return text
 
-    def qa_records(self, layout: str = "video") -> list[list[dict[str, str]]]:
+    def qa_records(
+        self, layout: str = "video", categories: tuple[str, ...] | None = None
+    ) -> list[list[dict[str, str]]]:
         """The questions about this video, each with its answer and its category, as the
         training records that hold them (`QA_LAYOUTS`):
 
@@ -176,9 +178,12 @@ class VideoSpec:
         zero included), ``colour`` (of the one moving shape of a kind), ``shape`` (of the
         moving object of a colour), ``direction`` (of each object, named by colour and shape),
         ``needle`` (what appeared for one frame, or "nothing"). On the demo's world and budget
-        ``video`` scores higher held-out (docs/qa.md, "Records that ask as inference asks")."""
+        ``video`` scores higher held-out (docs/qa.md, "Records that ask as inference asks").
+        ``categories``: only the questions of these categories (e.g. ``("shape",)`` for a
+        shapes-first training stage), laid out and marked as if they were all there are."""
         if layout not in QA_LAYOUTS:
             raise ValueError(f"unknown QA layout {layout!r}; choose one of {', '.join(QA_LAYOUTS)}")
+        _check_categories(categories)
         rng = np.random.default_rng([self.seed, self.index, 1])
         counts = {s: sum(o.shape == s for o in self.objects) for s in SHAPES}
         n = self.needle
@@ -201,6 +206,10 @@ class VideoSpec:
             {"question": q, "answer": a, "category": question_category(q) or "other", "learn": True}
             for q, a in turns
         ]
+        if categories is not None:
+            dicts = [d for d in dicts if d["category"] in categories]
+            if not dicts:
+                return []
         if layout == "video":
             return [_mark_given_away([dicts[i] for i in rng.permutation(len(dicts))], self)]
         by_category: dict[str, list[dict[str, str]]] = {c: [] for c in CATEGORIES}
@@ -220,6 +229,14 @@ class VideoSpec:
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "caption": self.caption, "qa": self.qa}
+
+
+def _check_categories(categories: tuple[str, ...] | None) -> None:
+    unknown = sorted(set(categories or ()) - set(CATEGORIES))
+    if unknown:
+        raise ValueError(
+            f"unknown question categories {', '.join(unknown)}; known: {', '.join(CATEGORIES)}"
+        )
 
 
 def _mark_given_away(record: list[dict[str, Any]], spec: VideoSpec) -> list[dict[str, Any]]:
@@ -440,13 +457,15 @@ def write_dataset(
     progress: bool = False,
     captions: bool = True,
     qa_layout: str = "video",
+    categories: tuple[str, ...] | None = None,
     **world: Any,
 ) -> Path:
     """Write ``count`` videos as MP4 under ``out/videos`` with ``videos.jsonl`` and
     ``manifest.jsonl`` (see the module docstring); returns the manifest's path. ``world``:
     `sample_video`'s ``max_objects``, ``radius``, ``travel``. ``captions=False`` leaves the
     caption lines out of the manifest (``videos.jsonl`` still has every caption); ``qa_layout``:
-    how questions become records (`QA_LAYOUTS`, `VideoSpec.qa_records`)."""
+    how questions become records (`QA_LAYOUTS`, `VideoSpec.qa_records`); ``categories``: only
+    the questions of these categories (`CATEGORIES`; a video without any has no QA line)."""
     from lwm.base.media import write_mp4
 
     out = Path(out)
@@ -456,6 +475,7 @@ def write_dataset(
             seed, i, size=size, num_frames=num_frames, fps=fps, needle_prob=needle_prob, **world
         )
 
+    _check_categories(categories)  # an unknown category fails before any output
     first = draw(0) if count else None  # a world that cannot be drawn fails before any output
     (out / "videos").mkdir(parents=True, exist_ok=True)
     specs, manifest = [], []
@@ -471,7 +491,8 @@ def write_dataset(
         specs.append({"video": rel, **spec.to_json()})
         if captions:
             manifest.append({"video": rel, "text": spec.caption})
-        manifest.extend({"video": rel, "qa": record} for record in spec.qa_records(qa_layout))
+        records = spec.qa_records(qa_layout, categories)
+        manifest.extend({"video": rel, "qa": record} for record in records)
     write_jsonl(out / "videos.jsonl", specs)
     write_jsonl(out / "manifest.jsonl", manifest)
     return out / "manifest.jsonl"

@@ -4,6 +4,8 @@ about videos it has never seen, scored against a model that never sees them.
 
     python scripts/demo.py                      # everything under runs/demo (README: time, numbers)
     python scripts/demo.py --out runs/long --videos 8000 --lm-steps 1500 --eval-every 250  # longer
+    python scripts/demo.py --out runs/long --videos 8000 --lm-steps 1500 --eval-every 250 \
+        --shapes-first-steps 400     # the longer setting after a stage on shape questions alone
 
 Each step is a command a user would type (printed before it runs) and is skipped or resumed
 when its output already exists, so rerunning the demo continues where it stopped:
@@ -61,6 +63,13 @@ def main() -> int:
         default=None,
         help="held-out QA every N training steps (default: once, after the last step)",
     )
+    p.add_argument(
+        "--shapes-first-steps",
+        type=int,
+        default=0,
+        help="train the world model this many steps on the shape questions alone first "
+        "(the same videos), then the --lm-steps from those weights (default 0: no such stage)",
+    )
     p.add_argument("--mesh", default="4,1,2,1", help="dp,fsdp,sp,tp of the world model")
     args = p.parse_args()
 
@@ -96,6 +105,33 @@ def main() -> int:
             env=env,
         )
 
+    # 3b. (--shapes-first-steps) the same videos with their shape questions only, and a first
+    # stage of the world model on them: shapes are the skill it learns slowest (docs/qa.md)
+    first_stage = []
+    if args.shapes_first_steps > 0:
+        shape_videos = out / "videos" / "shapes" / "manifest.jsonl"
+        if not shape_videos.is_file():
+            run(
+                [*lwm, "synthetic", "--out", str(shape_videos.parent), "--count", str(args.videos)]
+                + ["--seed", "0", "--frames", str(args.frames), *WORLD, "--categories", "shape"],
+                env=env,
+            )
+        shape_tokens = out / "shape_tokens"
+        if not shape_tokens.is_dir():
+            run(
+                [*lwm, "tokenize", "--input", str(shape_videos), "--output", str(shape_tokens)]
+                + ["--vqgan", str(vqgan), "--video-loss", "all", *cpu],
+                env=env,
+            )
+        shapes = out / "shapes"
+        run(
+            [*lwm, "train", *cpu, "--config", "configs/demo.yaml"]
+            + [f"data.source={shape_tokens}", f"train.output_dir={shapes}"]
+            + [f"train.steps={args.shapes_first_steps}", f"mesh.shape={args.mesh}"],
+            env=env,
+        )
+        first_stage = [f"train.init_from=run:{shapes}"]
+
     # 4. the world model (resumes from its checkpoints when rerun)
     lm = out / "lm"
     run(
@@ -105,6 +141,7 @@ def main() -> int:
             f"mesh.shape={args.mesh}",
             f"eval.manifest={held_out}",
             f"eval.every={args.eval_every or args.lm_steps}",
+            *first_stage,
         ],
         env=env,
     )

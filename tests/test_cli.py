@@ -92,6 +92,16 @@ def test_synthetic_verb_writes_a_manifest_and_refuses_an_impossible_world(tmp_pa
     lines = [json.loads(x) for x in (by_kind / "manifest.jsonl").read_text().splitlines()]
     assert sum("text" in x for x in lines) == 2 and len(lines) >= 2 + 2 * 5
     assert all(len({t["category"] for t in x["qa"]}) == 1 for x in lines if "qa" in x)
+    # only the shape questions (a shapes-first stage): all learned, none gives another away
+    shapes = tmp_path / "shapes"
+    args = ["--count", "2", "--size", "32", "--frames", "4", "--no-captions"]
+    assert main(["synthetic", "--out", str(shapes), *args, "--categories", "shape"]) == 0
+    lines = [json.loads(x) for x in (shapes / "manifest.jsonl").read_text().splitlines()]
+    assert len(lines) == 2
+    assert all(t["category"] == "shape" and t["learn"] for x in lines for t in x["qa"])
+    result = _lwm("synthetic", "--out", str(tmp_path / "no"), "--categories", "shape,colours")
+    _assert_one_line_error(result, "unknown question categories colours", verb="synthetic")
+    assert not (tmp_path / "no").exists()
     result = _lwm(
         "synthetic", "--out", str(tmp_path / "no"), "--size", "16", "--radius", "0.45,0.49"
     )

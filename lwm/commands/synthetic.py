@@ -25,7 +25,7 @@ def _pair(text: str) -> tuple[float, float]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from data.synthetic import QA_LAYOUTS, RADIUS, TRAVEL
+    from data.synthetic import CATEGORIES, QA_LAYOUTS, RADIUS, TRAVEL
 
     parser.add_argument("--out", required=True, help="output folder")
     parser.add_argument("--count", type=int, default=100, help="number of videos")
@@ -53,6 +53,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="QA training records: one per video with all its turns in a drawn order "
         "(default), or one per kind of question (no turn gives a later one's answer away)",
     )
+    parser.add_argument(
+        "--categories",
+        help="only the questions of these categories, comma-separated (of "
+        + ", ".join(CATEGORIES)
+        + "; default: all), e.g. shape for a shapes-first training stage",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -70,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
             progress=True,
             captions=not args.no_captions,
             qa_layout=args.qa_records,
+            categories=tuple(args.categories.split(",")) if args.categories else None,
             max_objects=args.max_objects,
             radius=args.radius,
             travel=args.travel,
