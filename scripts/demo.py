@@ -83,14 +83,27 @@ def main() -> int:
     train_videos = out / "videos" / "train" / "manifest.jsonl"
     held_out = out / "videos" / "held_out" / "manifest.jsonl"
 
-    # 1. videos
-    for manifest, count, seed in ((train_videos, args.videos, 0), (held_out, args.held_out, 1)):
+    def videos(manifest: Path, count: int, seed: int, *extra: str) -> None:
+        """`lwm synthetic` into ``manifest``'s folder (skipped when it is there)."""
         if not manifest.is_file():
             run(
                 [*lwm, "synthetic", "--out", str(manifest.parent), "--count", str(count)]
-                + ["--seed", str(seed), "--frames", str(args.frames), *WORLD],
+                + ["--seed", str(seed), "--frames", str(args.frames), *WORLD, *extra],
                 env=env,
             )
+
+    def tokenize(manifest: Path, output: Path) -> None:
+        """`lwm tokenize` with the demo's VQGAN (resumable; skipped when complete)."""
+        if not output.is_dir():
+            run(
+                [*lwm, "tokenize", "--input", str(manifest), "--output", str(output)]
+                + ["--vqgan", str(vqgan), "--video-loss", "all", *cpu],
+                env=env,
+            )
+
+    # 1. videos
+    videos(train_videos, args.videos, 0)
+    videos(held_out, args.held_out, 1)
 
     # 2. the VQGAN (resumes from its checkpoints when rerun)
     vqgan = out / "vqgan"
@@ -98,31 +111,16 @@ def main() -> int:
 
     # 3. the token dataset (resumable; skipped when complete)
     tokens = out / "tokens"
-    if not tokens.is_dir():
-        run(
-            [*lwm, "tokenize", "--input", str(train_videos), "--output", str(tokens)]
-            + ["--vqgan", str(vqgan), "--video-loss", "all", *cpu],
-            env=env,
-        )
+    tokenize(train_videos, tokens)
 
     # 3b. (--shapes-first-steps) the same videos with their shape questions only, and a first
     # stage of the world model on them: shapes are the skill it learns slowest (docs/qa.md)
     first_stage = []
     if args.shapes_first_steps > 0:
         shape_videos = out / "videos" / "shapes" / "manifest.jsonl"
-        if not shape_videos.is_file():
-            run(
-                [*lwm, "synthetic", "--out", str(shape_videos.parent), "--count", str(args.videos)]
-                + ["--seed", "0", "--frames", str(args.frames), *WORLD, "--categories", "shape"],
-                env=env,
-            )
+        videos(shape_videos, args.videos, 0, "--categories", "shape")
         shape_tokens = out / "shape_tokens"
-        if not shape_tokens.is_dir():
-            run(
-                [*lwm, "tokenize", "--input", str(shape_videos), "--output", str(shape_tokens)]
-                + ["--vqgan", str(vqgan), "--video-loss", "all", *cpu],
-                env=env,
-            )
+        tokenize(shape_videos, shape_tokens)
         shapes = out / "shapes"
         run(
             [*lwm, "train", *cpu, "--config", "configs/demo.yaml"]
