@@ -33,6 +33,7 @@ names and renamed when complete.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from dataclasses import asdict, dataclass
@@ -458,6 +459,7 @@ def write_dataset(
     captions: bool = True,
     qa_layout: str = "video",
     categories: tuple[str, ...] | None = None,
+    manifest_name: str = "manifest.jsonl",
     **world: Any,
 ) -> Path:
     """Write ``count`` videos as MP4 under ``out/videos`` with ``videos.jsonl`` and
@@ -465,10 +467,17 @@ def write_dataset(
     `sample_video`'s ``max_objects``, ``radius``, ``travel``. ``captions=False`` leaves the
     caption lines out of the manifest (``videos.jsonl`` still has every caption); ``qa_layout``:
     how questions become records (`QA_LAYOUTS`, `VideoSpec.qa_records`); ``categories``: only
-    the questions of these categories (`CATEGORIES`; a video without any has no QA line)."""
+    the questions of these categories (`CATEGORIES`; a video without any has no QA line).
+    ``manifest_name``: the manifest's file name in ``out``, so that one folder of videos can
+    have several manifests (e.g. ``shapes.jsonl`` with ``categories=("shape",)``): a video
+    that ``out/videos.jsonl`` already lists with the same attributes, and whose MP4 is there,
+    is not rendered again."""
     from lwm.base.media import write_mp4
 
     out = Path(out)
+    if not manifest_name.endswith(".jsonl") or Path(manifest_name).name != manifest_name:
+        raise ValueError(f"manifest name {manifest_name!r} is not a file name ending in .jsonl")
+    written = _written_videos(out)
 
     def draw(i: int) -> VideoSpec:
         return sample_video(
@@ -487,12 +496,24 @@ def write_dataset(
     for i in indices:
         spec = first if i == 0 and first is not None else draw(i)
         rel = f"videos/{i:05d}.mp4"
-        write_mp4(out / rel, render_video(spec), fps=fps, pix_fmt="yuv444p")
-        specs.append({"video": rel, **spec.to_json()})
+        line = json.loads(json.dumps({"video": rel, **spec.to_json()}))  # as it is read back
+        if written.get(rel) != line or not (out / rel).is_file():
+            write_mp4(out / rel, render_video(spec), fps=fps, pix_fmt="yuv444p")
+        specs.append(line)
         if captions:
             manifest.append({"video": rel, "text": spec.caption})
         records = spec.qa_records(qa_layout, categories)
         manifest.extend({"video": rel, "qa": record} for record in records)
     write_jsonl(out / "videos.jsonl", specs)
-    write_jsonl(out / "manifest.jsonl", manifest)
-    return out / "manifest.jsonl"
+    write_jsonl(out / manifest_name, manifest)
+    return out / manifest_name
+
+
+def _written_videos(out: Path) -> dict[str, dict[str, Any]]:
+    """The lines of ``out/videos.jsonl`` by video path (none if it is missing or unreadable:
+    then every video is rendered)."""
+    try:
+        lines = [json.loads(x) for x in (out / "videos.jsonl").read_text().splitlines() if x]
+        return {line["video"]: line for line in lines}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}

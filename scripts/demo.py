@@ -117,8 +117,9 @@ def main() -> int:
     # stage of the world model on them: shapes are the skill it learns slowest (docs/qa.md)
     first_stage = []
     if args.shapes_first_steps > 0:
-        shape_videos = out / "videos" / "shapes" / "manifest.jsonl"
-        videos(shape_videos, args.videos, 0, "--categories", "shape")
+        # a second manifest in the training videos' folder (the videos are not written again)
+        shape_videos = train_videos.parent / "shapes.jsonl"
+        videos(shape_videos, args.videos, 0, "--categories", "shape", "--manifest", "shapes.jsonl")
         shape_tokens = out / "shape_tokens"
         tokenize(shape_videos, shape_tokens)
         shapes = out / "shapes"

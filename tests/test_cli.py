@@ -99,6 +99,19 @@ def test_synthetic_verb_writes_a_manifest_and_refuses_an_impossible_world(tmp_pa
     lines = [json.loads(x) for x in (shapes / "manifest.jsonl").read_text().splitlines()]
     assert len(lines) == 2
     assert all(t["category"] == "shape" and t["learn"] for x in lines for t in x["qa"])
+    # the same into the folder of all questions, as a second manifest: no video rendered again
+    mp4 = out / "videos" / "00001.mp4"
+    os.utime(mp4, ns=(1, 1))
+    args = ["--count", "2", "--size", "32", "--frames", "4", "--no-captions"]
+    argv = ["synthetic", "--out", str(out), *args, "--categories", "shape", "--manifest", "s.jsonl"]
+    assert main(argv) == 0
+    assert mp4.stat().st_mtime_ns == 1  # kept
+    assert (out / "s.jsonl").read_text() == (shapes / "manifest.jsonl").read_text()
+    assert (out / "manifest.jsonl").is_file()  # the first manifest stays
+    mp4.unlink()
+    assert main(argv) == 0 and mp4.is_file()  # a missing video is rendered
+    result = _lwm("synthetic", "--out", str(out), "--manifest", "../m.jsonl")
+    _assert_one_line_error(result, "is not a file name ending in .jsonl", verb="synthetic")
     result = _lwm("synthetic", "--out", str(tmp_path / "no"), "--categories", "shape,colours")
     _assert_one_line_error(result, "unknown question categories colours", verb="synthetic")
     assert not (tmp_path / "no").exists()

@@ -59,6 +59,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         + ", ".join(CATEGORIES)
         + "; default: all), e.g. shape for a shapes-first training stage",
     )
+    parser.add_argument(
+        "--manifest",
+        default="manifest.jsonl",
+        help="the manifest's file name in OUT (default manifest.jsonl); videos that OUT "
+        "already holds with the same attributes are kept, not rendered again, so "
+        "`--categories shape --manifest shapes.jsonl` adds a manifest to a folder of videos",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -77,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
             captions=not args.no_captions,
             qa_layout=args.qa_records,
             categories=tuple(args.categories.split(",")) if args.categories else None,
+            manifest_name=args.manifest,
             max_objects=args.max_objects,
             radius=args.radius,
             travel=args.travel,
