@@ -353,17 +353,18 @@ def _codebook_init(params, vqgan_path: str, model_cfg, seed: int, log):
     except (FileNotFoundError, OSError) as e:
         raise TrainingError(f"train.vision_embed_init=codebook: {e}") from None
     table = params["embed_vision"]
-    if codebook.shape[0] > table.value.shape[0]:
+    current = table[...]
+    if codebook.shape[0] > current.shape[0]:
         raise TrainingError(
             f"train.vision_embed_init=codebook: the VQGAN '{vqgan_path}' has "
-            f"{codebook.shape[0]} codes, more than the model's {table.value.shape[0]} vision rows"
+            f"{codebook.shape[0]} codes, more than the model's {current.shape[0]} vision rows"
         )
     rows = codebook_embeddings(codebook, model_cfg.hidden_size, model_cfg.initializer_range, seed)
     set_rows = jax.jit(
         lambda t, r: t.at[: r.shape[0]].set(r.astype(t.dtype)),
-        out_shardings=table.value.sharding,
+        out_shardings=current.sharding,
     )
-    table.value = set_rows(table.value, jnp.asarray(rows))
+    table.set_value(set_rows(current, jnp.asarray(rows)))
     log(
         f"vision embeddings of the {len(rows)} codes from the codebook of {vqgan_path} "
         f"(train.vision_embed_init=codebook)"

@@ -303,9 +303,9 @@ def test_codebook_init_puts_codes_that_look_alike_close(tmp_path):
     fresh = _initial_params(random_cfg, random_cfg.model, mesh, print)
     codebook = np.asarray(vqgan.load_model(vq).quantizer.embeddings[...], np.float64)
     k, dim = codebook.shape
-    table = np.asarray(params["embed_vision"].value, np.float64)
+    table = np.asarray(params["embed_vision"][...], np.float64)
     rows = table[:k]
-    np.testing.assert_array_equal(table[k:], np.asarray(fresh["embed_vision"].value)[k:])
+    np.testing.assert_array_equal(table[k:], np.asarray(fresh["embed_vision"][...])[k:])
     # a linear image of the codebook: least squares from [codebook, 1] leaves nothing
     basis = np.concatenate([codebook, np.ones((k, 1))], axis=1)
     fit = basis @ np.linalg.lstsq(basis, rows, rcond=None)[0]
