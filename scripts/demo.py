@@ -1,11 +1,10 @@
 """The end-to-end demo, run by the README's first command: videos -> VQGAN -> token dataset ->
-a world model trained with ring attention on 8 (simulated) devices -> answers to questions
+a world model trained with ring attention on 4 (simulated) devices -> answers to questions
 about videos it has never seen, scored against a model that never sees them.
 
     python scripts/demo.py                      # everything under runs/demo (README: time, numbers)
     python scripts/demo.py --out runs/long --videos 8000 --lm-steps 1500 --eval-every 250  # longer
-    python scripts/demo.py --out runs/long --videos 8000 --lm-steps 1500 --eval-every 250 \
-        --shapes-first-steps 400     # the longer setting after a stage on shape questions alone
+    python scripts/demo.py --shapes-first-steps 0 --lm-steps 360   # without the shapes stage
 
 Each step is a command a user would type (printed before it runs) and is skipped or resumed
 when its output already exists, so rerunning the demo continues where it stopped:
@@ -16,9 +15,13 @@ when its output already exists, so rerunning the demo continues where it stopped
  2. `lwm vqgan train`: the demo VQGAN (32x32 frames, 8x8 codes of 512) on the training videos;
  3. `lwm tokenize`: videos + questions to an LWM token dataset (array_record); the world model
     learns the answers and, as a world model, the video tokens too;
- 4. `lwm train`: the `demo` world model (configs/demo.yaml) on that dataset, ring attention over `sp`, zigzag
-    layout, on a (4, 1, 2, 1) mesh of 8 simulated CPU devices, with the held-out questions
-    asked after the last step (and every `--eval-every` steps if given);
+ 4. `lwm train`: the `demo` world model (configs/demo.yaml), ring attention over `sp`, zigzag
+    layout, on a (2, 1, 2, 1) mesh of 4 simulated CPU devices: first `--shapes-first-steps`
+    steps on the same videos with their shape questions only (`lwm synthetic --categories
+    shape --manifest shapes.jsonl` writes that manifest next to the first, `lwm tokenize`
+    encodes it), the skill it learns slowest (docs/qa.md), then `--lm-steps` on all the
+    questions from those weights, with the held-out questions asked after the last step (and
+    every `--eval-every` steps if given);
  5. the last of those evaluations, as `lwm eval qa` prints it (the same code; the command that
     reruns it is printed): every held-out question, per category, for the model, for the model
     shown another video (the swap ablation) and for a blind baseline (the most frequent training
@@ -56,7 +59,9 @@ def main() -> int:
     p.add_argument("--held-out", type=int, default=24, help="videos to ask questions about")
     p.add_argument("--frames", type=int, default=4, help="frames per video")
     p.add_argument("--vqgan-steps", type=int, default=500)
-    p.add_argument("--lm-steps", type=int, default=360)
+    p.add_argument(
+        "--lm-steps", type=int, default=500, help="steps of the world model on all questions"
+    )
     p.add_argument(
         "--eval-every",
         type=int,
@@ -66,11 +71,11 @@ def main() -> int:
     p.add_argument(
         "--shapes-first-steps",
         type=int,
-        default=0,
+        default=200,
         help="train the world model this many steps on the shape questions alone first "
-        "(the same videos), then the --lm-steps from those weights (default 0: no such stage)",
+        "(the same videos), then the --lm-steps from those weights (0: no such stage)",
     )
-    p.add_argument("--mesh", default="4,1,2,1", help="dp,fsdp,sp,tp of the world model")
+    p.add_argument("--mesh", default="2,1,2,1", help="dp,fsdp,sp,tp of the world model")
     args = p.parse_args()
 
     out = Path(args.out)
