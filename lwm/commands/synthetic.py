@@ -5,7 +5,8 @@ captions and questions whose answers follow from the frames (`data.synthetic`):
 
 OUT/videos/NNNNN.mp4, OUT/videos.jsonl (every attribute of every video) and OUT/manifest.jsonl
 (the input of `lwm tokenize`; its path is printed). A world that cannot be drawn (shapes too
-large for the frame) is one error line.
+large for the frame) is one error line. `--manifest shapes.jsonl --categories shape` adds a
+second manifest to the same folder without rendering its videos again.
 """
 
 from __future__ import annotations
