@@ -115,9 +115,7 @@ def load_video_generator(
 
     cfg, lm = load_language_model(model, config=config, mesh=mesh, log=log)
     inputs = TrainingInputs.of(cfg.data.source)
-    vqgan = vqgan or inputs.get("vqgan")
-    if not vqgan:
-        raise ValueError("a VQGAN is needed (--vqgan): the model's training dataset names none")
+    vqgan = inputs.vqgan_path(vqgan)
     codec = TextCodec.load(tokenizer or inputs.get("tokenizer"))
     encoder = load_tokenizer(vqgan, mesh=mesh)
     codes = encoder.codebook_size

@@ -118,7 +118,8 @@ class TrainingInputs(dict):
     """What a model's training dataset records (`lwm tokenize`'s metadata.json), for asking it
     questions the way it was trained: ``vqgan`` (path), ``tokenizer`` (path), ``max_frames``,
     ``fps`` (the frame sampling) and ``manifest`` (the input it was made from). Empty when the
-    run did not train on a token dataset, or that dataset is gone."""
+    run did not train on a token dataset; only ``missing`` (its path) when that dataset is not
+    found from here (gone, or a relative path read from another directory)."""
 
     @classmethod
     def of(cls, data_source: str | None) -> TrainingInputs:
@@ -128,7 +129,9 @@ class TrainingInputs(dict):
             return cls()
         try:
             meta = read_metadata(data_source)
-        except (FileNotFoundError, ValueError):
+        except FileNotFoundError:
+            return cls({"missing": str(data_source)})
+        except ValueError:
             return cls()
         sampling = meta.get("sampling") or {}
         found = {
@@ -142,6 +145,18 @@ class TrainingInputs(dict):
             "dataset": str(data_source),
         }
         return cls({k: v for k, v in found.items() if v is not None})
+
+    def vqgan_path(self, given: str | None = None) -> str:
+        """``given``, else the training dataset's VQGAN; a `ValueError` naming what is missing
+        when there is neither."""
+        if given or self.get("vqgan"):
+            return given or self["vqgan"]
+        if "missing" in self:
+            raise ValueError(
+                f"a VQGAN is needed (--vqgan): the model's training dataset '{self['missing']}' "
+                "is not found from here (a relative path is read from the current directory)"
+            )
+        raise ValueError("a VQGAN is needed (--vqgan): the model's training dataset names none")
 
 
 def load_language_model(model: str, *, config: str | None = None, mesh=None, log=print):
@@ -205,9 +220,7 @@ def video_qa_for(
     codec = TextCodec.load(tokenizer or inputs.get("tokenizer"))
     if vqgan is False:
         return VideoQA(model, codec, None, **options)
-    vqgan = vqgan or inputs.get("vqgan")
-    if not vqgan:
-        raise ValueError("a VQGAN is needed (--vqgan): the model's training dataset names none")
+    vqgan = inputs.vqgan_path(vqgan)
     if max_frames is None and fps is None:
         max_frames, fps = inputs.get("max_frames"), inputs.get("fps")
     # The VQGAN shards its frames over the language model's mesh: one mesh per process.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from data.tokens import TextCodec, build_example, qa_prompt_streams
 from lwm.cli import main as lwm
@@ -43,7 +44,14 @@ def test_training_inputs_come_from_the_dataset_metadata(tmp_path):
 
     from lwm.vision_qa import TrainingInputs
 
-    assert TrainingInputs.of("synthetic") == {} and TrainingInputs.of(str(tmp_path)) == {}
+    assert TrainingInputs.of("synthetic") == {}
+    with pytest.raises(ValueError, match="^a VQGAN is needed .--vqgan.: the model's training "):
+        TrainingInputs.of("synthetic").vqgan_path()
+    # a dataset not found from here (e.g. a relative path, another working directory)
+    assert TrainingInputs.of(str(tmp_path)) == {"missing": str(tmp_path)}
+    with pytest.raises(ValueError, match=f"dataset '{tmp_path}' is not found from here"):
+        TrainingInputs.of(str(tmp_path)).vqgan_path()
+    assert TrainingInputs.of(str(tmp_path)).vqgan_path("/given") == "/given"
     meta = {
         "vqgan": {"path": "/v"},
         "text_tokenizer": {"name": "/t"},
