@@ -102,7 +102,6 @@ def test_synthetic_verb_writes_a_manifest_and_refuses_an_impossible_world(tmp_pa
     # the same into the folder of all questions, as a second manifest: no video rendered again
     mp4 = out / "videos" / "00001.mp4"
     os.utime(mp4, ns=(1, 1))
-    args = ["--count", "2", "--size", "32", "--frames", "4", "--no-captions"]
     argv = ["synthetic", "--out", str(out), *args, "--categories", "shape", "--manifest", "s.jsonl"]
     assert main(argv) == 0
     assert mp4.stat().st_mtime_ns == 1  # kept
