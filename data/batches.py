@@ -15,7 +15,7 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
-from data.tokens import EOV_ID, NUM_CODES, frame_cells
+from data.tokens import EOV_ID, NUM_CODES, frame_cells, frame_window
 
 BATCH_FIELDS: dict[str, Any] = {
     "tokens": np.int32,
@@ -27,6 +27,10 @@ BATCH_FIELDS: dict[str, Any] = {
     "target_is_vision": np.bool_,
     "target_weight": np.float32,
 }
+# Only for a model with `model.vision_window` (``[batch, seq, K]``, `data.tokens.frame_window`).
+WINDOW_FIELD = "frame_window"
+# The code grid and window radius of such a model (`ModelConfig.vision_grid`, `.vision_window`).
+WindowSpec = tuple[tuple[int, int], int]
 
 
 class Targets(NamedTuple):
@@ -84,11 +88,14 @@ def make_training_batch(
     positions: np.ndarray,
     layout: np.ndarray | None = None,
     cells: np.ndarray | None = None,
+    window: np.ndarray | WindowSpec | None = None,
 ) -> dict[str, np.ndarray]:
     """Targets from ``[batch, seq]`` streams in document order (`next_token_targets`: never
     across a segment boundary, none from padding segment 0), then the sequence layout.
     ``cells``: `data.tokens.frame_cells` of each document (computed from the rows when not
-    given; pass them for rows that start inside a frame of a document split across rows)."""
+    given; pass them for rows that start inside a frame of a document split across rows).
+    ``window``: `data.tokens.frame_window` of each document, or the `WindowSpec` to compute
+    it from the rows with; None: no `WINDOW_FIELD`."""
     targets = next_token_targets(tokens, vision_mask, loss_mask, segment_ids, xp=np)
     batch = {
         "tokens": tokens,
@@ -100,9 +107,15 @@ def make_training_batch(
         "target_is_vision": targets.is_vision,
         "target_weight": targets.weight,
     }
+    if window is not None:
+        if isinstance(window, tuple):
+            window = frame_window(tokens, vision_mask, *window, cells=batch["frame_cells"])
+        batch[WINDOW_FIELD] = window
     if layout is not None:
         batch = {k: v[:, layout] for k, v in batch.items()}
-    return {k: np.ascontiguousarray(v, dtype=BATCH_FIELDS[k]) for k, v in batch.items()}
+    return {
+        k: np.ascontiguousarray(v, dtype=BATCH_FIELDS.get(k, np.int32)) for k, v in batch.items()
+    }
 
 
 class SyntheticTokenLoader:
@@ -126,6 +139,7 @@ class SyntheticTokenLoader:
         process_index: int = 0,
         process_count: int = 1,
         layout: np.ndarray | None = None,
+        window: WindowSpec | None = None,
     ):
         if batch_size % process_count:
             raise ValueError(
@@ -135,7 +149,7 @@ class SyntheticTokenLoader:
         self.local_rows = batch_size // process_count
         self.first_row = process_index * self.local_rows
         self.text_vocab_size, self.vision_codes = text_vocab_size, vision_codes
-        self.seed, self.layout = seed, layout
+        self.seed, self.layout, self.window = seed, layout, window
         rng = np.random.default_rng(seed)
         self._patterns = [
             (
@@ -180,5 +194,12 @@ class SyntheticTokenLoader:
         self.step += 1
         tokens, vision, seg, pos = (np.asarray(x) for x in zip(*rows, strict=True))
         return make_training_batch(
-            tokens, vision, np.ones_like(tokens, np.float32), seg, pos, self.layout
+            tokens,
+            vision,
+            np.ones_like(tokens, np.float32),
+            seg,
+            pos,
+            self.layout,
+            None,
+            self.window,
         )

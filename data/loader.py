@@ -39,9 +39,9 @@ from typing import Any
 
 import numpy as np
 
-from data.batches import make_training_batch
+from data.batches import WindowSpec, make_training_batch
 from data.dataset_io import read_lengths
-from data.tokens import frame_cells
+from data.tokens import frame_cells, frame_window, window_offsets
 
 __all__ = ["PackingPlan", "TokenDatasetLoader", "plan_epoch"]
 
@@ -124,6 +124,7 @@ class TokenDatasetLoader:
         process_index: int = 0,
         process_count: int = 1,
         layout: np.ndarray | None = None,
+        window: WindowSpec | None = None,
         read_threads: int = 2,
         prefetch: int = 4,
     ):
@@ -156,7 +157,7 @@ class TokenDatasetLoader:
         self.batch_size, self.seq_len = batch_size, seq_len
         self.local_rows = batch_size // process_count
         self.first_row = process_index * self.local_rows
-        self.layout = layout
+        self.layout, self.window = layout, window
         self.read_threads, self.prefetch = read_threads, prefetch
         self._lock = threading.RLock()  # plans are made once, by whichever thread needs one
         self._plans: dict[int, PackingPlan] = {}
@@ -278,6 +279,9 @@ class TokenDatasetLoader:
         segments = np.zeros(shape, np.int32)
         positions = np.zeros(shape, np.int32)
         cells = np.full(shape, -1, np.int32)
+        window = None
+        if self.window is not None:
+            window = np.full((*shape, len(window_offsets(self.window[1]))), -1, np.int32)
         examples: dict[int, dict[str, np.ndarray]] = {}  # a long document spans rows
         for r, pieces in enumerate(rows):
             at = 0
@@ -290,6 +294,13 @@ class TokenDatasetLoader:
                     examples[ex]["cells"] = frame_cells(
                         examples[ex]["tokens"], examples[ex]["vision_mask"]
                     )
+                    if window is not None:  # of the whole record, as the cells
+                        examples[ex]["window"] = frame_window(
+                            examples[ex]["tokens"],
+                            examples[ex]["vision_mask"],
+                            *self.window,
+                            cells=examples[ex]["cells"],
+                        )
                 example = examples[ex]
                 piece = slice(start, start + n)
                 tokens[r, at : at + n] = example["tokens"][piece]
@@ -298,5 +309,9 @@ class TokenDatasetLoader:
                 segments[r, at : at + n] = segment
                 positions[r, at : at + n] = np.arange(n)
                 cells[r, at : at + n] = example["cells"][piece]
+                if window is not None:
+                    window[r, at : at + n] = example["window"][piece]
                 at += n
-        return make_training_batch(tokens, vision, loss, segments, positions, self.layout, cells)
+        return make_training_batch(
+            tokens, vision, loss, segments, positions, self.layout, cells, window
+        )

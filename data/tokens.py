@@ -98,6 +98,51 @@ def frame_cells(tokens: Any, vision_mask: Any, xp: Any = np) -> Any:
     return xp.where(is_code, index - boundary - 1, -1).astype(np.int32)
 
 
+def window_offsets(radius: int) -> list[tuple[int, int]]:
+    """The causal neighbourhood of a code in its frame, as (rows up, columns left) of each
+    neighbour: the ``radius`` codes to its left in its row, then the ``2 * radius + 1`` codes
+    centred above it in each of the ``radius`` rows above (all before it in raster order)."""
+    left = [(0, dc) for dc in range(1, radius + 1)]
+    return left + [(dr, dc) for dr in range(1, radius + 1) for dc in range(radius, -radius - 1, -1)]
+
+
+def frame_window(
+    tokens: Any,
+    vision_mask: Any,
+    grid: tuple[int, int],
+    radius: int,
+    xp: Any = np,
+    cells: Any = None,
+) -> Any:
+    """``[..., seq, K]``: the codes of each vision code's causal neighbours in its frame
+    (`window_offsets`, K of them), -1 where a neighbour falls outside the frame and at every
+    position that is not a code, for ``[..., seq]`` streams in document order. ``cells``:
+    their `frame_cells` when already computed.
+
+    A model with `ModelConfig.vision_window` adds a learned embedding of each neighbour's code
+    (one table per offset) to each code's embedding: a causal convolution over the frame, so
+    the shape an object's codes draw together is one layer away from every code of it, and
+    vision-mode generation still sees only codes before the one it predicts."""
+    rows, cols = grid
+    if not 0 <= radius < cols:
+        raise ValueError(f"window radius {radius} must lie in [0, {cols}) for {cols} columns")
+    tokens = xp.asarray(tokens, np.int32)
+    if cells is None:
+        cells = frame_cells(tokens, vision_mask, xp=xp)
+    row, col = cells // cols, cells % cols
+    n = tokens.shape[-1]
+    out = []
+    for dr, dc in window_offsets(radius):
+        k = dr * cols + dc  # >= 1: the neighbour comes k positions earlier
+        pad = xp.full(tokens.shape[:-1] + (min(k, n),), -1, np.int32)
+        shifted = xp.concatenate([pad, tokens[..., : max(n - k, 0)]], axis=-1)
+        inside = (cells >= 0) & (row >= dr) & (col >= dc) & (col - dc < cols)
+        out.append(xp.where(inside, shifted, -1))
+    if not out:
+        return xp.zeros(tokens.shape + (0,), np.int32)
+    return xp.stack(out, axis=-1).astype(np.int32)
+
+
 def qa_prompt(question: str) -> str:
     """The text of a question turn; the answer follows as ``" " + answer``."""
     return f"USER: {question} ASSISTANT:"

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from data.tokens import TextCodec, frame_cells, qa_prompt, video_prompt_streams
+from data.tokens import TextCodec, frame_cells, frame_window, qa_prompt, video_prompt_streams
 from lwm.generate import GREEDY, Sampling, decode_loop, empty_cache, extend
 from lwm.model import LWMModel
 from lwm.qa_eval import Answer
@@ -34,8 +34,8 @@ class ContextFullError(ValueError):
 
 
 @partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
-def _extend(graphdef, state, cache, tokens, vision, start, cells):
-    return extend(nnx.merge(graphdef, state), cache, tokens, vision, start, cells)
+def _extend(graphdef, state, cache, tokens, vision, start, cells, window):
+    return extend(nnx.merge(graphdef, state), cache, tokens, vision, start, cells, window)
 
 
 @partial(
@@ -107,7 +107,12 @@ class ChatSession:
                 f"new, {self.max_new_tokens} for the answer) but the context holds "
                 f"{self.max_context} (--max-context)"
             )
-        cells = frame_cells(np.asarray(tokens, np.int32), np.asarray(vision, bool))
+        ids, is_vision = np.asarray(tokens, np.int32), np.asarray(vision, bool)
+        cells = frame_cells(ids, is_vision)
+        cfg = self.model.cfg
+        window = None
+        if cfg.vision_window:  # of this feed's tokens, as the cells: a video is fed whole
+            window = frame_window(ids, is_vision, cfg.vision_grid, cfg.vision_window, cells=cells)
         for at in range(0, len(tokens), self.chunk):
             piece = tokens[at : at + self.chunk]
             n = len(piece)
@@ -115,6 +120,11 @@ class ChatSession:
             v = np.zeros((1, self.chunk), bool)
             c = np.full((1, self.chunk), -1, np.int32)
             t[0, :n], v[0, :n], c[0, :n] = piece, vision[at : at + n], cells[at : at + n]
+            w = None
+            if window is not None:
+                w = np.full((1, self.chunk, window.shape[-1]), -1, np.int32)
+                w[0, :n] = window[at : at + n]
+                w = jnp.asarray(w)
             # A short last chunk writes padding past the conversation; causal masking hides
             # it, and later tokens overwrite it.
             self.cache, hidden = _extend(
@@ -125,6 +135,7 @@ class ChatSession:
                 jnp.asarray(v),
                 self.length,
                 jnp.asarray(c),
+                w,
             )
             self.hidden = hidden[:, n - 1]
             self.length += n

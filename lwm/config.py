@@ -62,6 +62,11 @@ class ModelConfig(BaseModel):
     # so the model knows where a code sits without decoding it from rotary positions. None: off
     # (as LWM, whose checkpoints have no such table).
     vision_grid: tuple[PositiveInt, PositiveInt] | None = None
+    # With vision_grid: each code also gets a learned embedding of the code of each of its
+    # causal neighbours in the frame (`data.tokens.window_offsets`: radius codes to the left,
+    # 2 * radius + 1 above in each of radius rows), one table per offset: a causal convolution
+    # over the frame, so an object's shape is local to its codes from the first layer. 0: off.
+    vision_window: Annotated[int, Field(ge=0)] = 0
     hidden_size: PositiveInt
     intermediate_size: PositiveInt
     num_layers: PositiveInt
@@ -100,6 +105,13 @@ class ModelConfig(BaseModel):
                 f"vision_vocab_size ({self.vision_vocab_size}) must exceed the <eov> id {EOV_ID}: "
                 "the vision vocabulary holds the codes and the <eof>/<eov> markers "
                 "(data.tokens)"
+            )
+        if self.vision_window and self.vision_grid is None:
+            raise ValueError("vision_window needs vision_grid (the code grid it runs over)")
+        if self.vision_grid is not None and self.vision_window >= self.vision_grid[1]:
+            raise ValueError(
+                f"vision_window ({self.vision_window}) must be below the grid's "
+                f"{self.vision_grid[1]} columns"
             )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(

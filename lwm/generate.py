@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from data.tokens import EOF_ID, EOV_ID, NUM_CODES, frame_cells
+from data.tokens import EOF_ID, EOV_ID, NUM_CODES, frame_cells, frame_window, window_offsets
 from lwm.attention import default_positions
 from lwm.attention.decode import decode_attention_local, ring_decode_attention, ring_write_cache
 from lwm.base.mesh import batch_devices
@@ -152,6 +152,9 @@ def prefill_chunked(
     cfg = model.cfg
     cache = empty_cache(model, b, max_len)
     cells = frame_cells(tokens, vision_mask, xp=jnp)  # of the whole prompt: chunks cut frames
+    window = None
+    if cfg.vision_window:
+        window = frame_window(tokens, vision_mask, cfg.vision_grid, cfg.vision_window, jnp, cells)
 
     def body(i, carry):
         cache, last = carry
@@ -159,7 +162,10 @@ def prefill_chunked(
         piece = jax.lax.dynamic_slice_in_dim(tokens, start, chunk, axis=1)
         vision = jax.lax.dynamic_slice_in_dim(vision_mask, start, chunk, axis=1)
         piece_cells = jax.lax.dynamic_slice_in_dim(cells, start, chunk, axis=1)
-        cache, hidden = extend(model, cache, piece, vision, start, piece_cells)
+        piece_window = None
+        if window is not None:
+            piece_window = jax.lax.dynamic_slice_in_dim(window, start, chunk, axis=1)
+        cache, hidden = extend(model, cache, piece, vision, start, piece_cells, piece_window)
         at = prompt_len - 1 - start  # each row's last prompt token, if it is in this chunk
         inside = (at >= 0) & (at < chunk)
         h = jnp.take_along_axis(hidden, jnp.clip(at, 0, chunk - 1)[:, None, None], axis=1)
@@ -176,12 +182,15 @@ def extend(
     vision_mask: jax.Array,
     start: jax.Array | int,
     cells: jax.Array | None = None,
+    window: jax.Array | None = None,
 ) -> tuple[KVCache, jax.Array]:
     """Feed ``tokens [batch, n]`` at positions ``start .. start + n - 1`` (the same for every
     row): their keys and values go into those cache slots (`ring_write_cache`: each device
     updates its own slice, O(n)) and they attend the cache up to themselves. ``cells``: their
     `data.tokens.frame_cells` (computed from ``tokens`` when not given, right when they start
-    at a frame boundary). Returns the cache and their hidden states ``[batch, n, hidden]``."""
+    at a frame boundary); ``window`` likewise (`data.tokens.frame_window`, for a model with
+    `ModelConfig.vision_window`). Returns the cache and their hidden states ``[batch, n,
+    hidden]``."""
     b, n = tokens.shape
     max_len = cache.k.shape[2]
     slot = jnp.arange(max_len, dtype=jnp.int32)
@@ -207,7 +216,7 @@ def extend(
             )
         return o, (k_cache, v_cache)
 
-    x = model.embed(tokens, vision_mask, cells)
+    x = model.embed(tokens, vision_mask, cells, window)
     hidden, (ks, vs) = model.run_layers(x, positions, attend, layers_in=tuple(cache))
     return KVCache(_cache_sharding(model, ks), _cache_sharding(model, vs)), hidden
 
@@ -219,9 +228,12 @@ def decode_step(
     is_vision: jax.Array,
     position: jax.Array,
     cell: jax.Array | None = None,
+    window: jax.Array | None = None,
 ) -> tuple[KVCache, jax.Array]:
     """Feed one token per row at ``position [batch]`` (``cell [batch]``: a vision code's cell in
-    its frame, -1 for anything else; None: -1); returns the cache and its hidden state."""
+    its frame, -1 for anything else; None: -1; ``window [batch, K]``: the codes of its causal
+    neighbours for a model with `ModelConfig.vision_window`, None: none); returns the cache
+    and its hidden state."""
     max_len = cache.k.shape[2]
     slot = jnp.arange(max_len, dtype=jnp.int32)
     positions = position[:, None]
@@ -248,7 +260,15 @@ def decode_step(
 
     if cell is None:
         cell = jnp.full(token.shape, -1, jnp.int32)
-    x = model.embed(token[:, None], is_vision[:, None], cell[:, None])
+    if window is None and model.cfg.vision_window:
+        k = len(window_offsets(model.cfg.vision_window))
+        window = jnp.full((*token.shape, k), -1, jnp.int32)
+    x = model.embed(
+        token[:, None],
+        is_vision[:, None],
+        cell[:, None],
+        None if window is None else window[:, None],
+    )
     hidden, (ks, vs) = model.run_layers(x, positions, attend, layers_in=tuple(cache))
     return KVCache(_cache_sharding(model, ks), _cache_sharding(model, vs)), hidden[:, 0]
 
@@ -268,6 +288,22 @@ def _next_logits(model: LWMModel, hidden: jax.Array, mode: str) -> jax.Array:
     vision = mode == "vision"
     text, image = model.logits(hidden[:, None], heads=(not vision, vision))
     return (image if vision else text)[:, 0]
+
+
+def _generated_window(model: LWMModel, out: jax.Array, step: jax.Array, cell: jax.Array):
+    """The codes of the causal neighbours (`data.tokens.window_offsets`) of the code generated
+    at ``step`` in its cell ``cell [batch]`` (-1: not a code), read from the tokens generated so
+    far ``out [batch, max_new_tokens]``: vision mode starts at a frame boundary, so every
+    neighbour in the frame was generated."""
+    cols = model.cfg.vision_grid[1]
+    row, col = cell // cols, cell % cols
+    found = []
+    for dr, dc in window_offsets(model.cfg.vision_window):
+        back = dr * cols + dc
+        inside = (cell >= 0) & (row >= dr) & (col >= dc) & (col - dc < cols)
+        code = jax.lax.dynamic_index_in_dim(out, jnp.maximum(step - back, 0), 1, keepdims=False)
+        found.append(jnp.where(inside, code, -1))
+    return jnp.stack(found, axis=-1).astype(jnp.int32)
 
 
 def decode_loop(
@@ -317,7 +353,14 @@ def decode_loop(
         # Vision mode starts at a frame boundary: token `step` is cell `step % frame` of its
         # frame, or the frame's marker.
         cell = jnp.where(is_vision & (feed < EOF_ID), s.step % frame, -1)
-        cache, hidden = decode_step(model, s.cache, feed, is_vision, prompt_len + s.step, cell)
+        window = None
+        if model.cfg.vision_window:
+            window = _generated_window(model, out, s.step, cell[:b])
+            if cfg_scale is not None:
+                window = jnp.concatenate([window, window])
+        cache, hidden = decode_step(
+            model, s.cache, feed, is_vision, prompt_len + s.step, cell, window
+        )
         return _Loop(s.step + 1, cache, hidden, out, done, key)
 
     init = _Loop(

@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import jax
 
+from data.tokens import NUM_CODES, window_offsets
 from lwm.base.mesh import logical_to_spec, shard_bytes
 from lwm.config import ModelConfig
 
@@ -36,7 +37,7 @@ ADAM_MOMENT_BYTES = 4  # AdamW keeps two float32 moments per parameter
 
 # Parameters that belong to the vision side of the model (the rest is the text LLaMA).
 VISION_PARAMS: frozenset[str] = frozenset(
-    {"embed_vision", "vision_head", "embed_vision_row", "embed_vision_col"}
+    {"embed_vision", "vision_head", "embed_vision_row", "embed_vision_col", "embed_vision_window"}
 )
 
 # Matrices multiplied against every token (embedding lookups are not matmuls).
@@ -102,6 +103,10 @@ def param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
         rows, cols = cfg.vision_grid
         specs["embed_vision_row"] = ParamSpec((rows, h), ("grid", "embed"))
         specs["embed_vision_col"] = ParamSpec((cols, h), ("grid", "embed"))
+        if cfg.vision_window:
+            k = len(window_offsets(cfg.vision_window))
+            codes = cfg.vision_codes or NUM_CODES
+            specs["embed_vision_window"] = ParamSpec((k, codes, h), ("grid", "vocab", "embed"))
     layer = layer_param_specs(cfg)
     if cfg.scan_layers:
         for name, (shape, axes) in layer.items():

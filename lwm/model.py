@@ -18,7 +18,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
-from data.tokens import EOF_ID, EOV_ID, frame_cells
+from data.tokens import EOF_ID, EOV_ID, frame_cells, frame_window
 from lwm.attention import (
     blockwise_attention,
     default_positions,
@@ -120,6 +120,8 @@ class LWMModel(nnx.Module):
         if cfg.vision_grid is not None:
             self.embed_vision_row = _param(rngs, specs["embed_vision_row"], cfg, None)
             self.embed_vision_col = _param(rngs, specs["embed_vision_col"], cfg, None)
+        if cfg.vision_window:
+            self.embed_vision_window = _param(rngs, specs["embed_vision_window"], cfg, None)
         if cfg.scan_layers:
             self.layers = Block(cfg, rngs, stack=cfg.num_layers)
         else:
@@ -209,14 +211,26 @@ class LWMModel(nnx.Module):
     # -- forward ----------------------------------------------------------------------------
 
     def embed(
-        self, tokens: jax.Array, vision_mask: jax.Array, cells: jax.Array | None = None
+        self,
+        tokens: jax.Array,
+        vision_mask: jax.Array,
+        cells: jax.Array | None = None,
+        window: jax.Array | None = None,
     ) -> jax.Array:
         """Per position, the vision or the text embedding of the token (compute dtype); with
         `ModelConfig.vision_grid`, plus the embeddings of each code's row and column in its
         frame. ``cells``: `data.tokens.frame_cells` of the streams; when not given they are
-        computed from ``tokens``, which must then be in document order (not a ring layout)."""
+        computed from ``tokens``, which must then be in document order (not a ring layout).
+        With `ModelConfig.vision_window`, plus the embedding of each causal neighbour's code;
+        ``window``: `data.tokens.frame_window` of the streams (computed as ``cells`` are)."""
         cfg = self.cfg
         dt = _dtype(cfg.dtype)
+        if cfg.vision_window and window is None:
+            if cells is not None:  # the streams may be in a ring layout: no neighbours there
+                raise ValueError("model.vision_window: pass each code's window with its cells")
+            window = frame_window(
+                tokens, vision_mask, cfg.vision_grid, cfg.vision_window, jnp, cells
+            )
         if cfg.vision_grid is not None and cells is None:
             cells = frame_cells(tokens, vision_mask, xp=jnp)
         tokens = self._constrain(tokens, "batch", "length")
@@ -242,6 +256,13 @@ class LWMModel(nnx.Module):
                 self._weight(self.embed_vision_col, dt), cells % cols, axis=0
             )
             x = x + jnp.where((cells >= 0)[..., None], grid, 0).astype(dt)
+        if cfg.vision_window:
+            window = self._constrain(jnp.asarray(window, jnp.int32), "batch", "length", None)
+            table = self._weight(self.embed_vision_window, dt)
+            for k in range(table.shape[0]):
+                code = window[..., k]
+                near = jnp.take(table[k], jnp.clip(code, 0, table.shape[1] - 1), axis=0)
+                x = x + jnp.where((code >= 0)[..., None], near, 0).astype(dt)
         return self._constrain(x, "batch", "length", "act_embed")
 
     def run_layers(self, x: jax.Array, positions: jax.Array, attend, layers_in=None):
@@ -285,9 +306,10 @@ class LWMModel(nnx.Module):
         positions: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
         cells: jax.Array | None = None,
+        window: jax.Array | None = None,
     ) -> jax.Array:
         """Final normalised hidden states ``[batch, seq, hidden]`` in the compute dtype.
-        ``cells`` as for `embed` (needed when the streams are in a ring layout)."""
+        ``cells``, ``window`` as for `embed` (needed when the streams are in a ring layout)."""
         b, s = tokens.shape
         if positions is None:
             positions = default_positions(b, s)
@@ -295,7 +317,7 @@ class LWMModel(nnx.Module):
         def attend(q, k, v, _):
             return self._attention(q, k, v, positions, segment_ids), None
 
-        x, _ = self.run_layers(self.embed(tokens, vision_mask, cells), positions, attend)
+        x, _ = self.run_layers(self.embed(tokens, vision_mask, cells, window), positions, attend)
         return x
 
     def head_weights(self, dtype) -> tuple[jax.Array, jax.Array]:
@@ -380,9 +402,12 @@ class LWMModel(nnx.Module):
         positions: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
         cells: jax.Array | None = None,
+        window: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array]:
         """``tokens, vision_mask [batch, seq]`` -> (text_logits, vision_logits), float32."""
-        return self.logits(self.hidden_states(tokens, vision_mask, positions, segment_ids, cells))
+        return self.logits(
+            self.hidden_states(tokens, vision_mask, positions, segment_ids, cells, window)
+        )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -239,7 +239,9 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
             t_data = time.perf_counter()
             local = next(loader)
             batch = {
-                k: jax.make_array_from_process_local_data(bsharding, v, global_shape)
+                k: jax.make_array_from_process_local_data(
+                    bsharding, v, (*global_shape, *v.shape[2:])
+                )
                 for k, v in local.items()
             }
             waited = time.perf_counter() - t_data

@@ -15,7 +15,7 @@ from data.batches import Loader, SyntheticTokenLoader
 from data.tokens import frame_markers
 from lwm.config import Config, ModelConfig
 
-__all__ = ["TrainingError", "build_loader", "check_dataset"]
+__all__ = ["TrainingError", "build_loader", "check_dataset", "window_spec"]
 
 
 class TrainingError(RuntimeError):
@@ -30,6 +30,7 @@ def build_loader(cfg: Config, seq_len: int, layout: np.ndarray | None) -> Loader
         process_index=jax.process_index(),
         process_count=jax.process_count(),
         layout=layout,
+        window=window_spec(cfg.model),
     )
     if data.source == "synthetic":
         return SyntheticTokenLoader(
@@ -48,6 +49,15 @@ def build_loader(cfg: Config, seq_len: int, layout: np.ndarray | None) -> Loader
     )
     check_dataset(data.source, loader.metadata, cfg.model)
     return loader
+
+
+def window_spec(model: ModelConfig) -> tuple[tuple[int, int], int] | None:
+    """What the loader needs to give each code its neighbours (`data.batches.WINDOW_FIELD`),
+    or None for a model without `ModelConfig.vision_window`."""
+    if not model.vision_window:
+        return None
+    assert model.vision_grid is not None  # validated with the config
+    return tuple(model.vision_grid), model.vision_window
 
 
 def check_dataset(source: str, metadata: dict[str, Any], model: ModelConfig) -> None:

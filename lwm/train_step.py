@@ -15,7 +15,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from data.batches import BATCH_FIELDS
+from data.batches import BATCH_FIELDS, WINDOW_FIELD
 from lwm.base.mesh import logical_to_spec
 from lwm.base.schedule import warmup_schedule
 from lwm.config import ModelConfig, TrainConfig
@@ -78,6 +78,7 @@ def loss_fn(
         batch["positions"],
         batch["segment_ids"],
         batch["frame_cells"],
+        batch.get(WINDOW_FIELD),
     )
     heads = (weights[0] > 0, weights[1] > 0)  # a head whose loss weight is 0 is not computed
     hidden = model.hidden_states(*inputs)
@@ -189,12 +190,18 @@ def abstract_train_state(cfg: ModelConfig, mesh: Mesh, tx: optax.GradientTransfo
     return graphdef, params, opt_state
 
 
-def abstract_batch(mesh: Mesh, batch_size: int, seq_len: int) -> dict:
+def abstract_batch(mesh: Mesh, batch_size: int, seq_len: int, window: int = 0) -> dict:
+    """The batch `jit_train_step` takes, as shapes; ``window``: the neighbours per code of a
+    model with `ModelConfig.vision_window` (`data.tokens.window_offsets`), 0 for none."""
     sharding = batch_sharding(mesh)
-    return {
+    batch = {
         k: jax.ShapeDtypeStruct((batch_size, seq_len), dt, sharding=sharding)
         for k, dt in BATCH_FIELDS.items()
     }
+    if window:
+        shape = (batch_size, seq_len, window)
+        batch[WINDOW_FIELD] = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)
+    return batch
 
 
 def optimizer_from_config(tc: TrainConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:

@@ -77,7 +77,10 @@ def main() -> int:
     tx, _ = make_optimizer()
     t0 = time.perf_counter()
     graphdef, params, opt_state = abstract_train_state(model_cfg, mesh, tx)
-    batch = abstract_batch(mesh, args.batch, seq)
+    from data.tokens import window_offsets
+
+    window = len(window_offsets(model_cfg.vision_window)) if model_cfg.vision_window else 0
+    batch = abstract_batch(mesh, args.batch, seq, window)
     step = jit_train_step(graphdef, tx, mesh, params, opt_state)
     lowered = step.lower(params, opt_state, batch)
     t1 = time.perf_counter()

@@ -51,6 +51,14 @@ def main() -> int:
     p.add_argument("--lm-steps", type=int, default=900)
     p.add_argument("--mesh", default="1,2,4,1", help="dp,fsdp,sp,tp of the world model")
     p.add_argument("--cfg-scale", type=float, default=2.0)
+    p.add_argument(
+        "--lm-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override for the world model's `lwm train` (repeatable), "
+        "e.g. model.vision_window=2",
+    )
     args = p.parse_args()
 
     out = Path(args.out)
@@ -90,7 +98,7 @@ def main() -> int:
     run(
         [*lwm, "train", *cpu, "--config", "configs/demo.yaml"]
         + [f"data.source={tokens}", f"train.output_dir={lm}", f"train.steps={args.lm_steps}"]
-        + [f"mesh.shape={args.mesh}"]
+        + [f"mesh.shape={args.mesh}", *args.lm_set]
     )
 
     # 5. clips from held-out captions, scored on their pixels

@@ -62,6 +62,17 @@ def test_head_dim_defaults_and_validation() -> None:
     assert load_config(DEBUG, ["model.num_heads=3", "model.num_kv_heads=1", "model.head_dim=20"])
 
 
+def test_vision_window_needs_a_grid_wider_than_it() -> None:
+    grid = "model.vision_grid=[2,3]"
+    assert load_config(DEBUG, [grid, "model.vision_window=2"]).model.vision_window == 2
+    with pytest.raises(ConfigError, match="vision_window needs vision_grid"):
+        load_config(DEBUG, ["model.vision_window=1"])
+    with pytest.raises(
+        ConfigError, match=r"vision_window \(3\) must be below the grid's 3 columns"
+    ):
+        load_config(DEBUG, [grid, "model.vision_window=3"])
+
+
 def test_unknown_key_names_key_and_valid_keys() -> None:
     with pytest.raises(ConfigError) as info:
         load_config(DEBUG, ["model.not_a_field=1"])

@@ -122,21 +122,27 @@ def test_vision_mode_forces_frame_markers():
 
 
 @pytest.mark.parametrize(
-    "mesh_shape,codes,grid",
-    [(None, 0, None), ("1,1,4,2", 0, None), ("1,1,4,2", 16, None), ("1,1,4,2", 0, (2, 2))],
+    "mesh_shape,codes,grid,window",
+    [
+        (None, 0, None, 0),
+        ("1,1,4,2", 0, None, 0),
+        ("1,1,4,2", 16, None, 0),
+        ("1,1,4,2", 0, (2, 2), 0),
+        ("1,1,4,2", 0, (2, 2), 1),
+    ],
 )
-def test_greedy_vision_mode_equals_full_forward(mesh_shape, codes, grid):
+def test_greedy_vision_mode_equals_full_forward(mesh_shape, codes, grid, window):
     """Vision generation is argmax over the codes of a full forward pass of the vision head,
     with <eof> after every frame's codes and <eov> after the last frame's; with
     ``vision_codes`` only the first that many codes compete; with ``vision_grid`` each fed
-    code carries the cell the full forward finds for it."""
+    code carries the cell the full forward finds for it, with ``vision_window`` the codes
+    generated before it in its frame."""
     mesh = None if mesh_shape is None else make_mesh(mesh_shape)
     attention = "ring" if mesh else "blockwise"
-    model = create_model(
-        debug_cfg(attention=attention, vision_codes=codes, vision_grid=grid), mesh=mesh
-    )
+    grid_cfg = dict(vision_grid=grid, vision_window=window)
+    model = create_model(debug_cfg(attention=attention, vision_codes=codes, **grid_cfg), mesh=mesh)
     # same seed: same weights
-    full = create_model(debug_cfg(attention=attention, vision_grid=grid), mesh=mesh)
+    full = create_model(debug_cfg(attention=attention, **grid_cfg), mesh=mesh)
     tokens, vision, lens = prompts()
     per_frame, frames = 4, 3
     out, _ = generate(
@@ -212,15 +218,17 @@ def test_bad_arguments_are_clear_errors():
         )
 
 
-@pytest.mark.parametrize("mesh_shape,grid", [("1,1,4,2", (2, 4))])  # cache over sp and tp
-def test_chunked_prefill_equals_one_prefill(mesh_shape, grid):
+@pytest.mark.parametrize("mesh_shape,grid,window", [("1,1,4,2", (2, 4), 1)])  # cache: sp, tp
+def test_chunked_prefill_equals_one_prefill(mesh_shape, grid, window):
     """The prompt prefilled in chunks (each attending the cache so far) gives the cache and the
     last hidden state of one prefill (1e-5), and the same greedy tokens; with ``vision_grid``
-    also where a chunk starts inside a frame."""
+    and ``vision_window`` also where a chunk starts inside a frame."""
     from lwm.generate import prefill, prefill_chunked
 
     mesh = None if mesh_shape is None else make_mesh(mesh_shape)
-    cfg = debug_cfg(attention="ring" if mesh else "blockwise", vision_grid=grid)
+    cfg = debug_cfg(
+        attention="ring" if mesh else "blockwise", vision_grid=grid, vision_window=window
+    )
     model = create_model(cfg, mesh=mesh)
     tokens, vision, lens = (np.array(x) for x in prompts())
     vision[:, 2:11] = True  # a frame of 8 codes across the chunk boundary at 8, then <eof>
@@ -242,8 +250,8 @@ def test_chunked_prefill_equals_one_prefill(mesh_shape, grid):
     assert np.asarray(got).tolist() == np.asarray(out).tolist()
 
 
-@pytest.mark.parametrize("grid", [(4, 4)])
-def test_a_second_chat_turn_reuses_the_cache(grid):
+@pytest.mark.parametrize("grid,window", [((4, 4), 1)])
+def test_a_second_chat_turn_reuses_the_cache(grid, window):
     """Two turns of a conversation about a video, fed in chunks into one cache (the chunks on
     an sp-sharded cache: `test_chunked_prefill_equals_one_prefill`; here chunks of 16 cut the
     frames of 4x4 codes): the second answer equals generation from a fresh prompt that holds
@@ -252,7 +260,9 @@ def test_a_second_chat_turn_reuses_the_cache(grid):
     from lwm.chat import ChatSession, ContextFullError
 
     codec = TextCodec.load()
-    model = create_model(debug_cfg(text_vocab_size=codec.vocab_size, vision_grid=grid))
+    model = create_model(
+        debug_cfg(text_vocab_size=codec.vocab_size, vision_grid=grid, vision_window=window)
+    )
     codes = np.random.default_rng(0).integers(0, 512, (2, 4, 4))
     chat = ChatSession(model, codec, codes, max_context=128, prefill_chunk=16, max_new_tokens=5)
     chat.ask("What colour is the square?")

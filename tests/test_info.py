@@ -37,8 +37,17 @@ def test_specs_shapes_and_axes() -> None:
     assert specs["vision_head"] == ((64, 8448), ("embed", "vocab"))
     assert {"embed_vision", "vision_head"} <= set(specs)
     assert "embed_vision_row" not in specs  # only with model.vision_grid
-    grid = param_specs(_model("debug.yaml", "model.vision_grid=[2,3]"))
+    grid = param_specs(
+        _model(
+            "debug.yaml",
+            "model.vision_grid=[2,3]",
+            "model.vision_window=1",
+            "model.vision_codes=16",
+        )
+    )
     assert set(grid) >= VISION_PARAMS
+    # one table of the model's codes per neighbour: left, up-left, up, up-right
+    assert grid["embed_vision_window"] == ((4, 16, 64), ("grid", "vocab", "embed"))
     assert grid["embed_vision_row"] == ((2, 64), ("grid", "embed"))
     assert grid["embed_vision_col"] == ((3, 64), ("grid", "embed"))
     assert param_counts(_model("debug.yaml", "model.vision_grid=[2,3]")).vision == (

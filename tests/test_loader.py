@@ -9,15 +9,16 @@ import numpy as np
 import pytest
 
 from data import dataset_io
-from data.batches import BATCH_FIELDS
+from data.batches import BATCH_FIELDS, WINDOW_FIELD
 from data.loader import TokenDatasetLoader, plan_epoch
-from data.tokens import frame_cells
+from data.tokens import frame_cells, frame_window
 
 SEQ = 32
 
 
-def write_dataset(directory, lengths, shards=2, seed=0):
-    """Examples whose tokens say where they come from: token j of example i is i*1000 + j."""
+def write_dataset(directory, lengths, shards=2, seed=0, vision=0.5):
+    """Examples whose tokens say where they come from: token j of example i is i*1000 + j;
+    each token is vision with probability ``vision``."""
     directory.mkdir(parents=True)
     rng = np.random.default_rng(seed)
     per = -(-len(lengths) // shards)
@@ -29,7 +30,7 @@ def write_dataset(directory, lengths, shards=2, seed=0):
             writer.write(
                 {
                     "tokens": (i * 1000 + np.arange(n)).astype(np.int32),
-                    "vision_mask": rng.random(n) < 0.5,
+                    "vision_mask": rng.random(n) < vision,
                     "loss_mask": (rng.random(n) < 0.7).astype(np.uint8),
                     "source": f"video{i}.mp4",
                     "kind": "video",
@@ -160,12 +161,17 @@ def test_restored_loader_yields_the_same_batches(dataset):
         loader(dataset, seed=4).restore(state)
 
 
-def test_code_cells_are_those_of_the_whole_document(dataset):
+def test_code_cells_are_those_of_the_whole_document(tmp_path):
     """A document split across rows keeps counting its frame's cells in the next row (the
-    loader takes `frame_cells` of the whole example, not of the row)."""
-    ld = loader(dataset)
-    whole = {}
-    split = 0
+    loader takes `frame_cells` of the whole example, not of the row), and a code's window of
+    neighbours (`frame_window`, asked for with ``window``) is that of the whole example too:
+    at a row's start it still names the codes left behind in the row before."""
+    long_frames = write_dataset(tmp_path / "frames", LENGTHS[:9], vision=0.95)  # codes < 8192
+    ld = loader(long_frames, window=((4, 4), 1))
+    plain = next(loader(long_frames))
+    assert WINDOW_FIELD not in plain  # only when asked for
+    whole, near = {}, {}
+    split = reached = 0
     for b in epoch_batches(ld):
         for r in range(b["tokens"].shape[0]):
             for at in np.flatnonzero(b["segment_ids"][r]):
@@ -173,9 +179,14 @@ def test_code_cells_are_those_of_the_whole_document(dataset):
                 if ex not in whole:
                     record = ld.source[ex]
                     whole[ex] = frame_cells(record["tokens"], record["vision_mask"])
+                    near[ex] = frame_window(record["tokens"], record["vision_mask"], (4, 4), 1)
                 assert b["frame_cells"][r, at] == whole[ex][j], (ex, j)
+                np.testing.assert_array_equal(b[WINDOW_FIELD][r, at], near[ex][j])
                 split += int(b["positions"][r, at] != j and whole[ex][j] > 0)
+                # a neighbour from before the row's start
+                reached += int(at == 0 and (near[ex][j] >= 0).any())
     assert split > 0  # some row starts inside a frame of a split document
+    assert reached > 0
 
 
 def test_zigzag_layout_permutes_the_unpermuted_batch(dataset):

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from data.batches import next_token_targets
-from data.tokens import frame_cells
+from data.tokens import frame_cells, frame_window
 from lwm.attention.layout import apply_layout, zigzag_permutation
 from lwm.base.mesh import make_mesh
 from lwm.config import load_config
@@ -61,6 +61,13 @@ def loss_and_grads(model, batch, perm=None):
     if perm is not None:  # the layout is applied once, at the model input
         # In a ring layout the model cannot find frames: the loader gives each code's cell.
         inputs["cells"] = frame_cells(batch["tokens"], batch["vision_mask"])
+        if model.cfg.vision_window:  # and each code's neighbours
+            inputs["window"] = frame_window(
+                batch["tokens"],
+                batch["vision_mask"],
+                model.cfg.vision_grid,
+                model.cfg.vision_window,
+            )
         inputs, targets = apply_layout((inputs, targets), perm)
 
     def loss_fn(model):
@@ -94,6 +101,37 @@ def test_vision_grid_adds_each_codes_row_and_column_embedding():
     got = np.asarray(plain.embed(jnp.asarray(tokens), jnp.asarray(vision)))
     np.testing.assert_array_equal(got[0, 2], np.asarray(plain.embed_vision[...])[7])
     assert not hasattr(plain, "embed_vision_row")
+
+
+def test_vision_window_adds_each_neighbours_code_embedding():
+    """With vision_window 1 on 2x3 codes: a code's input is its code, row and column
+    embeddings plus, for each offset of `window_offsets` (left, up-left, up, up-right), the
+    embedding of the code there from that offset's table, where the neighbour is in the frame."""
+    model = create_model(debug_cfg(vision_grid=(2, 3), vision_window=1))
+    frame = [7, 8, 9, 10, 11, 12]  # rows [7 8 9], [10 11 12]
+    tokens = np.asarray([[1, 2, *frame, 8192, *frame[:4], 5]], np.int32)
+    vision = np.asarray([[0, 0] + [1] * 11 + [0]], bool)
+    neighbours = {  # cell -> (left, up-left, up, up-right)
+        0: (None, None, None, None),
+        1: (7, None, None, None),
+        2: (8, None, None, None),
+        3: (None, None, 7, 8),
+        4: (10, 7, 8, 9),
+        5: (11, 8, 9, None),
+    }
+    cells = [None, None, 0, 1, 2, 3, 4, 5, None, 0, 1, 2, 3, None]
+    x = np.asarray(model.embed(jnp.asarray(tokens), jnp.asarray(vision)))
+    vis, text = np.asarray(model.embed_vision[...]), np.asarray(model.embed_text[...])
+    row, col = np.asarray(model.embed_vision_row[...]), np.asarray(model.embed_vision_col[...])
+    table = np.asarray(model.embed_vision_window[...])
+    assert table.shape == (4, 8192, 64)
+    for i, (t, v, c) in enumerate(zip(tokens[0], vision[0], cells, strict=True)):
+        want = (vis if v else text)[t]
+        if c is not None:
+            want = want + row[c // 3] + col[c % 3]
+            for k, code in enumerate(neighbours[c]):
+                want = want + (0 if code is None else table[k, code])
+        np.testing.assert_allclose(x[0, i], want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("scan", [True, False])
@@ -139,25 +177,33 @@ def _assert_close(a: dict, b: dict, rtol: float):
 
 
 @pytest.mark.parametrize(
-    "mesh_shape,zigzag,attention,kernel,grid",
+    "mesh_shape,zigzag,attention,kernel,grid,window",
     [
-        ("1,2,2,2", False, "ring", "xla", None),
-        ("1,1,8,1", True, "ring", "xla", None),
-        ("1,2,2,2", True, "ring", "xla", None),
-        ("1,2,2,2", False, "blockwise", "xla", None),
-        ("1,2,2,2", True, "ring", "pallas", None),  # remat, scan, the Pallas block kernel
-        ("1,2,2,2", True, "ring", "xla", (2, 4)),  # code cells from the loader, permuted
+        ("1,2,2,2", False, "ring", "xla", None, 0),
+        ("1,1,8,1", True, "ring", "xla", None, 0),
+        ("1,2,2,2", True, "ring", "xla", None, 0),
+        ("1,2,2,2", False, "blockwise", "xla", None, 0),
+        ("1,2,2,2", True, "ring", "pallas", None, 0),  # remat, scan, the Pallas block kernel
+        ("1,2,2,2", True, "ring", "xla", (2, 4), 0),  # code cells from the loader, permuted
+        ("1,2,2,2", True, "ring", "xla", (2, 4), 2),  # and each code's neighbours
     ],
 )
-def test_sharded_model_equals_dense_on_one_device(mesh_shape, zigzag, attention, kernel, grid):
+def test_sharded_model_equals_dense_on_one_device(
+    mesh_shape, zigzag, attention, kernel, grid, window
+):
     batch = make_batch(debug_cfg())
     ref_loss, ref_metrics, ref_grads = loss_and_grads(
-        create_model(debug_cfg(attention="dense", vision_grid=grid)), batch
+        create_model(debug_cfg(attention="dense", vision_grid=grid, vision_window=window)), batch
     )
     mesh = make_mesh(mesh_shape)
     perm = zigzag_permutation(64, mesh.shape["sp"]) if zigzag else None
     cfg = debug_cfg(
-        attention=attention, block_q=4, block_k=4, attention_kernel=kernel, vision_grid=grid
+        attention=attention,
+        block_q=4,
+        block_k=4,
+        attention_kernel=kernel,
+        vision_grid=grid,
+        vision_window=window,
     )
     model = create_model(cfg, mesh=mesh)
     loss, metrics, grads = loss_and_grads(model, batch, perm)

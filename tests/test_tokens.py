@@ -16,9 +16,11 @@ from data.tokens import (
     TextCodec,
     build_example,
     frame_cells,
+    frame_window,
     text_first,
     text_to_video_prompt_streams,
     vision_span,
+    window_offsets,
 )
 
 
@@ -58,6 +60,40 @@ def test_frame_cells_count_codes_from_each_frame_start():
     )
     # a code id with vision_mask False is text
     assert frame_cells(np.asarray([5, 5]), np.asarray([False, True])).tolist() == [-1, 0]
+
+
+def test_frame_window_holds_each_codes_causal_neighbours():
+    """For two videos of 3x4-code frames after text: each code's neighbours at the offsets of
+    `window_offsets` (radius 1: left, then up-left, up, up-right), looked up in the code grid
+    of its own frame; -1 outside the frame, on text and on markers; the same with jax.numpy.
+    The window never reaches the code it predicts: every neighbour comes earlier."""
+    import jax.numpy as jnp
+
+    assert window_offsets(1) == [(0, 1), (1, 1), (1, 0), (1, -1)]
+    assert len(window_offsets(2)) == 12
+    rng = np.random.default_rng(0)
+    grids = rng.integers(0, 512, (2, 3, 4))  # two frames of 3x4 codes
+    video = vision_span(grids)
+    tokens = np.asarray([1, 3] + video.tolist() + [4, 3] + video[:7].tolist())
+    vision = np.asarray([False] * 2 + [True] * 26 + [False] * 2 + [True] * 7)
+    starts = {2: 0, 15: 1, 30: 0}  # position of each frame's first code -> its frame
+    expected = np.full((len(tokens), 4), -1)
+    for start, f in starts.items():
+        for cell in range(12):
+            at = start + cell
+            if at >= len(tokens) or not vision[at]:
+                break
+            r, c = divmod(cell, 4)
+            for k, (dr, dc) in enumerate(window_offsets(1)):
+                if r - dr >= 0 and 0 <= c - dc < 4:
+                    expected[at, k] = grids[f, r - dr, c - dc]
+    got = frame_window(tokens, vision, (3, 4), 1)
+    np.testing.assert_array_equal(got, expected)
+    both = np.stack([tokens, tokens]), np.stack([vision, vision])
+    jx = frame_window(*map(jnp.asarray, both), (3, 4), 1, xp=jnp)
+    np.testing.assert_array_equal(np.asarray(jx), np.stack([expected, expected]))
+    with pytest.raises(ValueError, match="radius 4 must lie in"):
+        frame_window(tokens, vision, (3, 4), 4)
 
 
 def test_vision_span_markers():

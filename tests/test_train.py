@@ -95,6 +95,8 @@ def reference(tmp_path_factory) -> dict[int, float]:
 
 
 def test_loss_falls_with_ring_attention_on_two_meshes(reference, tmp_path):
+    """The second run also gives each code its row, column and window of neighbours
+    (`model.vision_grid`, `model.vision_window`: the loader's extra batch field)."""
     assert sorted(reference) == list(range(1, 13))
     assert reference[12] < reference[1] - 0.3, reference
     r = lwm_train(
@@ -103,6 +105,8 @@ def test_loss_falls_with_ring_attention_on_two_meshes(reference, tmp_path):
         "mesh.shape=1,1,4,2",
         "train.learning_rate=3e-3",
         "train.schedule=constant",
+        "model.vision_grid=[2,4]",
+        "model.vision_window=1",
     )
     assert r.returncode == 0, r.stderr
     got = losses(tmp_path)

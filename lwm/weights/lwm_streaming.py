@@ -249,8 +249,9 @@ def load_lwm_streaming(
         else:
             raise WeightsError(f"{file}: unexpected tensor '{tensor}'")
         del value
-    # A model with `vision_grid` starts its row/column embeddings afresh (LWM has none).
-    initialise = ("embed_vision_row", "embed_vision_col")
+    # A model with `vision_grid` (and `vision_window`) starts those embeddings afresh (LWM has
+    # none).
+    initialise = ("embed_vision_row", "embed_vision_col", "embed_vision_window")
     if not seen_vision:
         initialise += ("embed_vision", "vision_head")
     missing = [n for n in sink.missing() if n not in initialise]
