@@ -106,6 +106,17 @@ def window_offsets(radius: int) -> list[tuple[int, int]]:
     return left + [(dr, dc) for dr in range(1, radius + 1) for dc in range(radius, -radius - 1, -1)]
 
 
+def window_neighbours(cells: Any, cols: int, radius: int) -> list[tuple[int, Any]]:
+    """Per offset of `window_offsets`: how many positions before a code its neighbour there
+    comes in document order (a frame's codes are contiguous, raster order), and where that
+    neighbour lies in the frame (``cells``: `frame_cells`; False off the frame or off codes)."""
+    row, col = cells // cols, cells % cols
+    return [
+        (dr * cols + dc, (cells >= 0) & (row >= dr) & (col >= dc) & (col - dc < cols))
+        for dr, dc in window_offsets(radius)
+    ]
+
+
 def frame_window(
     tokens: Any,
     vision_mask: Any,
@@ -129,14 +140,11 @@ def frame_window(
     tokens = xp.asarray(tokens, np.int32)
     if cells is None:
         cells = frame_cells(tokens, vision_mask, xp=xp)
-    row, col = cells // cols, cells % cols
     n = tokens.shape[-1]
     out = []
-    for dr, dc in window_offsets(radius):
-        k = dr * cols + dc  # >= 1: the neighbour comes k positions earlier
+    for k, inside in window_neighbours(cells, cols, radius):  # k >= 1 positions earlier
         pad = xp.full(tokens.shape[:-1] + (min(k, n),), -1, np.int32)
         shifted = xp.concatenate([pad, tokens[..., : max(n - k, 0)]], axis=-1)
-        inside = (cells >= 0) & (row >= dr) & (col >= dc) & (col - dc < cols)
         out.append(xp.where(inside, shifted, -1))
     if not out:
         return xp.zeros(tokens.shape + (0,), np.int32)

@@ -31,7 +31,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from data.tokens import EOF_ID, EOV_ID, NUM_CODES, frame_cells, frame_window, window_offsets
+from data.tokens import (
+    EOF_ID,
+    EOV_ID,
+    NUM_CODES,
+    frame_cells,
+    frame_window,
+    window_neighbours,
+    window_offsets,
+)
 from lwm.attention import default_positions
 from lwm.attention.decode import decode_attention_local, ring_decode_attention, ring_write_cache
 from lwm.base.mesh import batch_devices
@@ -295,12 +303,8 @@ def _generated_window(model: LWMModel, out: jax.Array, step: jax.Array, cell: ja
     at ``step`` in its cell ``cell [batch]`` (-1: not a code), read from the tokens generated so
     far ``out [batch, max_new_tokens]``: vision mode starts at a frame boundary, so every
     neighbour in the frame was generated."""
-    cols = model.cfg.vision_grid[1]
-    row, col = cell // cols, cell % cols
     found = []
-    for dr, dc in window_offsets(model.cfg.vision_window):
-        back = dr * cols + dc
-        inside = (cell >= 0) & (row >= dr) & (col >= dc) & (col - dc < cols)
+    for back, inside in window_neighbours(cell, model.cfg.vision_grid[1], model.cfg.vision_window):
         code = jax.lax.dynamic_index_in_dim(out, jnp.maximum(step - back, 0), 1, keepdims=False)
         found.append(jnp.where(inside, code, -1))
     return jnp.stack(found, axis=-1).astype(jnp.int32)

@@ -225,14 +225,15 @@ class LWMModel(nnx.Module):
         ``window``: `data.tokens.frame_window` of the streams (computed as ``cells`` are)."""
         cfg = self.cfg
         dt = _dtype(cfg.dtype)
+        if cfg.vision_window and window is None and cells is not None:
+            # the streams may be in a ring layout: no neighbours can be read there
+            raise ValueError("model.vision_window: pass each code's window with its cells")
+        if cfg.vision_grid is not None and cells is None:
+            cells = frame_cells(tokens, vision_mask, xp=jnp)
         if cfg.vision_window and window is None:
-            if cells is not None:  # the streams may be in a ring layout: no neighbours there
-                raise ValueError("model.vision_window: pass each code's window with its cells")
             window = frame_window(
                 tokens, vision_mask, cfg.vision_grid, cfg.vision_window, jnp, cells
             )
-        if cfg.vision_grid is not None and cells is None:
-            cells = frame_cells(tokens, vision_mask, xp=jnp)
         tokens = self._constrain(tokens, "batch", "length")
         vision_mask = self._constrain(vision_mask.astype(bool), "batch", "length")
         x = jnp.where(
