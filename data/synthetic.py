@@ -19,7 +19,7 @@ what is there for one frame) and a draw whose frames do not give every answer is
 
     lwm synthetic --out runs/synthetic --count 200 --seed 0 --size 64 --frames 16
 
-writes ``OUT/videos/00000.mp4 ...`` (H.264), ``OUT/videos.jsonl`` (every attribute of every
+writes ``OUT/videos/00000.mp4 ...`` (lossless H.264, 4:4:4), ``OUT/videos.jsonl`` (every attribute of every
 video) and ``OUT/manifest.jsonl``, the input of ``lwm tokenize``: per video one caption line
 ``{"video": "videos/00000.mp4", "text": "..."}`` (not with ``--no-captions``) and its QA lines
 ``{"video": "videos/00000.mp4", "qa": [{"question": "...", "answer": "...", "category": "..."}]}``,
@@ -498,7 +498,11 @@ def write_dataset(
         rel = f"videos/{i:05d}.mp4"
         line = json.loads(json.dumps({"video": rel, **spec.to_json()}))  # as it is read back
         if written.get(rel) != line or not (out / rel).is_file():
-            write_mp4(out / rel, render_video(spec), fps=fps, pix_fmt="yuv444p")
+            # Lossless (CRF 0, 4:4:4): x264's lossy output was not the same from run to run
+            # on this machine (a few videos in 30 differed, by up to 11 levels), so neither
+            # were the VQGAN and world model trained on them; lossless, the decoded frames
+            # are the rendered ones up to the RGB <-> YUV rounding, in every run.
+            write_mp4(out / rel, render_video(spec), fps=fps, crf=0, pix_fmt="yuv444p")
         specs.append(line)
         if captions:
             manifest.append({"video": rel, "text": spec.caption})

@@ -170,7 +170,9 @@ def test_mp4_dataset_read_back_with_decord(tmp_path: Path, layout: str) -> None:
         frames = read_video(path)
         assert frames.shape == (8, 32, 32, 3) and frames.dtype == np.uint8
         rendered = render_video(spec)
-        assert np.abs(frames.astype(int) - rendered).mean() < 4  # H.264 at low CRF
+        # Lossless H.264: the rendered frames up to the RGB <-> YUV rounding, so every run of
+        # `lwm synthetic` gives the VQGAN the same pixels.
+        assert np.abs(frames.astype(int) - rendered).max() <= 2
         # Every answer can be read off the decoded video, too.
         seen = observe(frames)
         assert all(answer(seen, t["question"]) == t["answer"] for t in spec.qa)

@@ -123,7 +123,8 @@ def write_mp4(
 ) -> None:
     """Write uint8 ``[T, H, W, 3]`` frames as an H.264 MP4 (H and W must be even). ``pix_fmt``
     ``yuv444p`` keeps full-resolution colour (at 32x32, 4:2:0 smears the colour of every edge
-    pixel); ``yuv420p`` is what every player reads."""
+    pixel); ``yuv420p`` is what every player reads. ``crf=0`` with ``yuv444p`` is lossless:
+    decoded, the frames up to the RGB <-> YUV rounding (at most 2 levels)."""
     import av
 
     path = Path(path)
