@@ -259,7 +259,9 @@ def write_needle_videos(
         depth = float(np.random.default_rng([seed + i, 11]).uniform())
         clip, expected, _ = needle_video(frames, depth, seed=seed + i, **video)
         rel = f"videos/{i:05d}.mp4"
-        write_mp4(out / rel, clip, fps=fps, pix_fmt="yuv444p")
+        write_mp4(
+            out / rel, clip, fps=fps, crf=0, pix_fmt="yuv444p"
+        )  # lossless, as `lwm synthetic`
         turn = {"question": VIDEO_QUESTION, "answer": expected, "category": "needle"}
         lines.append({"video": rel, "qa": [turn]})
     write_jsonl(out / "manifest.jsonl", lines)
