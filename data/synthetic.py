@@ -19,8 +19,8 @@ what is there for one frame) and a draw whose frames do not give every answer is
 
     lwm synthetic --out runs/synthetic --count 200 --seed 0 --size 64 --frames 16
 
-writes ``OUT/videos/00000.mp4 ...`` (lossless H.264, 4:4:4), ``OUT/videos.jsonl`` (every attribute of every
-video) and ``OUT/manifest.jsonl``, the input of ``lwm tokenize``: per video one caption line
+writes ``OUT/videos/00000.mp4 ...`` (lossless H.264, 4:4:4), ``OUT/videos.jsonl`` (every
+attribute of every video) and ``OUT/manifest.jsonl``, the input of ``lwm tokenize``: per video one caption line
 ``{"video": "videos/00000.mp4", "text": "..."}`` (not with ``--no-captions``) and its QA lines
 ``{"video": "videos/00000.mp4", "qa": [{"question": "...", "answer": "...", "category": "..."}]}``,
 one per training record (`lwm tokenize` encodes the video once): by default one record of all
@@ -472,7 +472,7 @@ def write_dataset(
     have several manifests (e.g. ``shapes.jsonl`` with ``categories=("shape",)``): a video
     that ``out/videos.jsonl`` already lists with the same attributes, and whose MP4 is there,
     is not rendered again."""
-    from lwm.base.media import write_mp4
+    from lwm.base.media import LOSSLESS, write_mp4
 
     out = Path(out)
     if not manifest_name.endswith(".jsonl") or Path(manifest_name).name != manifest_name:
@@ -498,11 +498,8 @@ def write_dataset(
         rel = f"videos/{i:05d}.mp4"
         line = json.loads(json.dumps({"video": rel, **spec.to_json()}))  # as it is read back
         if written.get(rel) != line or not (out / rel).is_file():
-            # Lossless (CRF 0, 4:4:4): x264's lossy output was not the same from run to run
-            # on this machine (a few videos in 30 differed, by up to 11 levels), so neither
-            # were the VQGAN and world model trained on them; lossless, the decoded frames
-            # are the rendered ones up to the RGB <-> YUV rounding, in every run.
-            write_mp4(out / rel, render_video(spec), fps=fps, crf=0, pix_fmt="yuv444p")
+            # lossless, so every run trains the VQGAN and world model on the same pixels
+            write_mp4(out / rel, render_video(spec), fps=fps, **LOSSLESS)
         specs.append(line)
         if captions:
             manifest.append({"video": rel, "text": spec.caption})

@@ -245,7 +245,7 @@ def write_needle_videos(
     briefly (category ``needle``), the input of `lwm tokenize`. Seeds at or above 1,000 never
     meet `video_cases`' (``seed * 1000 + sample``, for small seeds and samples)."""
     from lwm.base.files import write_jsonl
-    from lwm.base.media import write_mp4
+    from lwm.base.media import LOSSLESS, write_mp4
 
     out = Path(out)
     (out / "videos").mkdir(parents=True, exist_ok=True)
@@ -259,9 +259,7 @@ def write_needle_videos(
         depth = float(np.random.default_rng([seed + i, 11]).uniform())
         clip, expected, _ = needle_video(frames, depth, seed=seed + i, **video)
         rel = f"videos/{i:05d}.mp4"
-        write_mp4(
-            out / rel, clip, fps=fps, crf=0, pix_fmt="yuv444p"
-        )  # lossless, as `lwm synthetic`
+        write_mp4(out / rel, clip, fps=fps, **LOSSLESS)
         turn = {"question": VIDEO_QUESTION, "answer": expected, "category": "needle"}
         lines.append({"video": rel, "qa": [turn]})
     write_jsonl(out / "manifest.jsonl", lines)

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from lwm.base.files import atomic_path
 
-__all__ = ["VideoError", "frames_at", "read_video", "write_mp4", "write_png"]
+__all__ = ["LOSSLESS", "VideoError", "frames_at", "read_video", "write_mp4", "write_png"]
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
 
@@ -114,6 +115,12 @@ def _check_frames(frames: np.ndarray, what: str) -> np.ndarray:
     return frames
 
 
+# `write_mp4` options for lossless H.264: decoded, the frames up to the RGB <-> YUV rounding (at
+# most 2 levels). Training data is written so: x264's lossy output was not the same from run to
+# run on the development machine (a few videos in 30 differed, by up to 11 levels).
+LOSSLESS: dict[str, Any] = {"crf": 0, "pix_fmt": "yuv444p"}
+
+
 def write_mp4(
     path: str | os.PathLike,
     frames: np.ndarray,
@@ -123,8 +130,7 @@ def write_mp4(
 ) -> None:
     """Write uint8 ``[T, H, W, 3]`` frames as an H.264 MP4 (H and W must be even). ``pix_fmt``
     ``yuv444p`` keeps full-resolution colour (at 32x32, 4:2:0 smears the colour of every edge
-    pixel); ``yuv420p`` is what every player reads. ``crf=0`` with ``yuv444p`` is lossless:
-    decoded, the frames up to the RGB <-> YUV rounding (at most 2 levels)."""
+    pixel); ``yuv420p`` is what every player reads. ``**LOSSLESS`` (CRF 0, 4:4:4) is lossless."""
     import av
 
     path = Path(path)
