@@ -74,6 +74,11 @@ class ModelConfig(BaseModel):
     num_kv_heads: PositiveInt
     head_dim: PositiveInt | None = None  # None: hidden_size // num_heads (filled in on validation)
     rope_theta: PositiveFloat = 10000.0
+    # Rotary embedding on the first rope_dims of each head's dimensions only (partial rotary,
+    # as GPT-NeoX's rotary_pct): the rest carry no position, so a query can match a key by
+    # content alone at any distance. None: every dimension (LLaMA, LWM; their checkpoint
+    # formats have no such setting, and export refuses a model with it).
+    rope_dims: PositiveInt | None = None
     max_seq_len: PositiveInt
     rms_norm_eps: PositiveFloat = 1e-5
     dtype: DType = "float32"  # activations / compute
@@ -124,6 +129,10 @@ class ModelConfig(BaseModel):
                     f"({self.num_heads}) when head_dim is not given"
                 )
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        if self.rope_dims is not None and (self.rope_dims > self.head_dim or self.rope_dims % 2):
+            raise ValueError(
+                f"rope_dims ({self.rope_dims}) must be even and at most head_dim ({self.head_dim})"
+            )
         return self
 
     @property

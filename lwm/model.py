@@ -93,19 +93,28 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return (xf * weight.astype(jnp.float32)).astype(x.dtype)
 
 
-def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """cos/sin ``[batch, seq, 1, head_dim]`` (float32) for the rotate-half convention."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+def rope_tables(
+    positions: jax.Array, head_dim: int, theta: float, rope_dims: int | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """cos/sin ``[batch, seq, 1, rope_dims]`` (float32) for the rotate-half convention, over
+    the first ``rope_dims`` dimensions of a head (None: all ``head_dim``)."""
+    rot = head_dim if rope_dims is None else rope_dims
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, rot, 2, dtype=jnp.float32) / rot))
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq
     emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
     return jnp.cos(emb), jnp.sin(emb)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotary embedding of ``x [..., head_dim]``; when the tables are narrower than a head
+    (`ModelConfig.rope_dims`), only its first dimensions rotate and the rest pass through
+    (partial rotary, as GPT-NeoX's ``rotary_pct``)."""
+    rot = cos.shape[-1]
     xf = x.astype(jnp.float32)
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
-    return (xf * cos + rotated * sin).astype(x.dtype)
+    xr, rest = xf[..., :rot], xf[..., rot:]
+    half = rot // 2
+    rotated = jnp.concatenate([-xr[..., half:], xr[..., :half]], axis=-1)
+    return jnp.concatenate([xr * cos + rotated * sin, rest], axis=-1).astype(x.dtype)
 
 
 class LWMModel(nnx.Module):
@@ -273,7 +282,7 @@ class LWMModel(nnx.Module):
         axis); the per-layer outputs of ``attend`` come back stacked the same way.
         """
         cfg = self.cfg
-        cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
+        cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_dims)
 
         def layer(x, block, layer_in):
             return self._block(block, x, cos, sin, attend, layer_in)

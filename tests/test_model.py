@@ -250,3 +250,50 @@ def test_loss_is_balanced_between_modalities():
     assert float(m["vision_loss"]) == pytest.approx(math.log(vv), rel=1e-5)
     assert float(loss) == pytest.approx(0.5 * math.log(vv), rel=1e-4)
     assert float(m["text_tokens"]) == 1 and float(m["vision_tokens"]) == 2
+
+
+def test_partial_rotary_matches_a_per_pair_reference():
+    """`model.rope_dims`: the first r dimensions of a head rotate as an r-wide rotary embedding
+    (pairs i and i + r/2 by position * theta^(-2i/r)); the others pass through unchanged."""
+    from lwm.model import apply_rope, rope_tables
+
+    rng = np.random.default_rng(0)
+    b, s, h, d, r, theta = 2, 7, 3, 16, 6, 100.0
+    x = rng.standard_normal((b, s, h, d)).astype(np.float32)
+    pos = rng.integers(0, 500, (b, s))
+    want = x.copy()
+    for i in range(r // 2):
+        angle = pos * theta ** (-2 * i / r)
+        c, sn = np.cos(angle)[..., None], np.sin(angle)[..., None]  # [b, s, 1]: every head
+        a, z = x[..., i], x[..., i + r // 2]
+        want[..., i] = a * c - z * sn
+        want[..., i + r // 2] = z * c + a * sn
+    cos, sin = rope_tables(jnp.asarray(pos), d, theta, r)
+    # float32 angles of positions up to 500 against float64: within 1e-4
+    np.testing.assert_allclose(np.asarray(apply_rope(jnp.asarray(x), cos, sin)), want, atol=1e-4)
+    # rope_dims = head_dim is the full rotary embedding, bit for bit
+    full = apply_rope(jnp.asarray(x), *rope_tables(jnp.asarray(pos), d, theta))
+    same = apply_rope(jnp.asarray(x), *rope_tables(jnp.asarray(pos), d, theta, d))
+    np.testing.assert_array_equal(np.asarray(full), np.asarray(same))
+
+
+def test_partial_rotary_ring_model_equals_dense():
+    """A ring model with `rope_dims` in the zigzag layout equals the dense model on one device,
+    and its unrotated dimensions make the model differ from the full-rotary one."""
+    batch = make_batch(debug_cfg())
+    ref_loss, _, ref_grads = loss_and_grads(
+        create_model(debug_cfg(attention="dense", rope_dims=8)), batch
+    )
+    full_loss, _, _ = loss_and_grads(create_model(debug_cfg(attention="dense")), batch)
+    assert float(full_loss) != float(ref_loss)
+    mesh = make_mesh("1,2,4,1")
+    model = create_model(debug_cfg(attention="ring", block_q=4, block_k=4, rope_dims=8), mesh=mesh)
+    loss, _, grads = loss_and_grads(model, batch, zigzag_permutation(64, 4))
+    assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
+    _assert_close(grads, ref_grads, 1e-5)
+
+
+@pytest.mark.parametrize("rope_dims", [3, 1024])
+def test_rope_dims_must_be_even_and_within_a_head(rope_dims):
+    with pytest.raises(ValueError, match="rope_dims"):
+        debug_cfg().model_validate({**debug_cfg().model_dump(), "rope_dims": rope_dims})

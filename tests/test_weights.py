@@ -196,6 +196,10 @@ def test_hf_errors_name_the_tensor_and_file(hf_folder, hf_model, tmp_path):
         load_hf_llama(tmp_path / "nowhere", cfg)
     with pytest.raises(WeightsError, match="rms_norm_eps: checkpoint 1e-06, model 1e-05"):
         load_hf_llama(folder, cfg.model_copy(update=dict(rms_norm_eps=1e-5)))
+    with pytest.raises(WeightsError, match="rope_dims: checkpoint None, model 8"):
+        load_hf_llama(folder, cfg.model_copy(update=dict(rope_dims=8)))
+    with pytest.raises(WeightsError, match="model.rope_dims 8 .* cannot be saved"):
+        save_hf_llama(create_model(cfg.model_copy(update=dict(rope_dims=8))), tmp_path / "p")
 
 
 def test_hf_unsupported_configs_are_rejected():
@@ -428,6 +432,8 @@ def test_lwm_errors_name_the_tensor_and_file(tmp_path):
         load_lwm_streaming(f"params::{tmp_path / 'nowhere'}", source.cfg)
     with pytest.raises(WeightsError, match="no grouped-query attention"):
         save_lwm_streaming(create_model(lwm_cfg(num_kv_heads=2)), tmp_path / "gqa")
+    with pytest.raises(WeightsError, match="model.rope_dims 8 cannot be saved"):
+        save_lwm_streaming(create_model(lwm_cfg(rope_dims=8)), tmp_path / "partial")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -170,6 +170,11 @@ def model_config_from_hf(
 
 def hf_config_from_model(cfg: ModelConfig, *, dtype: str | None = None) -> dict[str, Any]:
     """The ``config.json`` of the text model, readable by transformers 4.x and 5.x."""
+    if cfg.rope_dims is not None:
+        raise WeightsError(
+            f"LLaMA rotates every dimension of a head: model.rope_dims {cfg.rope_dims} "
+            f"(of head_dim {cfg.head_dim}) cannot be saved in its format"
+        )
     dtype = dtype or cfg.param_dtype
     return {
         "architectures": ["LlamaForCausalLM"],
@@ -204,6 +209,7 @@ def _check_config(hf_cfg: ModelConfig, cfg: ModelConfig, where: str) -> None:
         "num_kv_heads",
         "head_dim",
         "rope_theta",
+        "rope_dims",
         "rms_norm_eps",
         "tie_word_embeddings",
     )

@@ -274,6 +274,11 @@ def _lwm_key(name: str, scanned: bool = False) -> tuple[str, ...]:
 
 
 def _check_lwm_shapes(cfg: ModelConfig) -> None:
+    if cfg.rope_dims is not None:
+        raise WeightsError(
+            f"LWM's model rotates every dimension of a head: model.rope_dims {cfg.rope_dims} "
+            "cannot be saved in its format"
+        )
     if cfg.vision_grid is not None:
         raise WeightsError(
             f"LWM's model has no row/column embeddings of vision codes: model.vision_grid "
