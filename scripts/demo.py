@@ -60,7 +60,7 @@ def main() -> int:
     p.add_argument("--frames", type=int, default=4, help="frames per video")
     p.add_argument("--vqgan-steps", type=int, default=500)
     p.add_argument(
-        "--lm-steps", type=int, default=500, help="steps of the world model on all questions"
+        "--lm-steps", type=int, default=800, help="steps of the world model on all questions"
     )
     p.add_argument(
         "--eval-every",
