@@ -33,6 +33,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from probe_world_model import add_run_arguments, load_run_inputs  # noqa: E402
 
 TAIL = 16  # query positions probed: the end of the prompt (the question turn and a little before)
 
@@ -64,13 +66,7 @@ def _cells(obj: dict, frames: int, size: int, grid: tuple[int, int]) -> np.ndarr
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--run", required=True, help="an lwm train run (its newest checkpoint)")
-    p.add_argument("--vqgan", required=True)
-    p.add_argument(
-        "--tokenizer",
-        required=True,
-        help="the text tokenizer folder, or the run's token dataset (its metadata names it)",
-    )
+    add_run_arguments(p)
     p.add_argument("--videos", required=True, help="a folder of lwm synthetic (videos.jsonl)")
     p.add_argument("--limit", type=int, default=0, help="at most this many videos (0: all)")
     args = p.parse_args()
@@ -79,19 +75,10 @@ def main() -> int:
     import jax.numpy as jnp
     from flax import nnx
 
-    import vqgan
-    from data.tokens import TextCodec, qa_prompt_streams
-    from lwm.runs import load_run
+    from data.tokens import qa_prompt_streams
     from lwm.vision_qa import video_codes
 
-    _, model = load_run(args.run, mesh=None)
-    tok = vqgan.load_tokenizer(args.vqgan)
-    tokenizer = Path(args.tokenizer)
-    if (tokenizer / "metadata.json").is_file():  # a token dataset: the tokenizer it used
-        tokenizer = Path(
-            json.loads((tokenizer / "metadata.json").read_text())["text_tokenizer"]["name"]
-        )
-    codec = TextCodec.load(str(tokenizer))
+    model, tok, codec = load_run_inputs(args)
     folder = Path(args.videos)
     records = [json.loads(line) for line in (folder / "videos.jsonl").read_text().splitlines()]
     records = [

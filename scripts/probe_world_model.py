@@ -37,8 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from data.synthetic import DEMO_WORLD  # noqa: E402
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """``--run``, ``--vqgan`` and ``--tokenizer``: what a probe of a trained run loads."""
     p.add_argument("--run", required=True, help="an lwm train run (its newest checkpoint)")
     p.add_argument("--vqgan", required=True)
     p.add_argument(
@@ -46,6 +46,24 @@ def main() -> int:
         required=True,
         help="the text tokenizer folder, or the run's token dataset (its metadata names it)",
     )
+
+
+def load_run_inputs(args: argparse.Namespace):
+    """``(model, vqgan tokenizer, text codec)`` of `add_run_arguments`; a token dataset given
+    as ``--tokenizer`` stands for the text tokenizer its metadata names."""
+    import vqgan
+    from data.tokens import TextCodec
+    from lwm.runs import load_run
+    from lwm.vision_qa import TrainingInputs
+
+    _, model = load_run(args.run, mesh=None)
+    tokenizer = TrainingInputs.of(args.tokenizer).get("tokenizer") or args.tokenizer
+    return model, vqgan.load_tokenizer(args.vqgan), TextCodec.load(str(tokenizer))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_run_arguments(p)
     p.add_argument("--videos", type=int, default=600)
     p.add_argument("--frames", type=int, default=4)
     p.add_argument("--seed", type=int, default=5, help="a seed no run trained on")
@@ -64,18 +82,10 @@ def main() -> int:
     from flax import nnx
     from probe_vqgan import _softmax_regression
 
-    import vqgan
     from data.synthetic import PALETTE, SHAPES, render_video, sample_video
-    from data.tokens import TextCodec, video_prompt_streams
-    from lwm.runs import load_run
+    from data.tokens import video_prompt_streams
 
-    _, model = load_run(args.run, mesh=None)
-    tok = vqgan.load_tokenizer(args.vqgan)
-    tokenizer = Path(args.tokenizer)
-    if (tokenizer / "metadata.json").is_file():  # a token dataset: the tokenizer it used
-        meta = json.loads((tokenizer / "metadata.json").read_text())
-        tokenizer = Path(meta["text_tokenizer"]["name"])
-    codec = TextCodec.load(str(tokenizer))
+    model, tok, codec = load_run_inputs(args)
     world = {
         "max_objects": args.max_objects,
         "radius": tuple(float(v) for v in args.radius.split(",")),
