@@ -50,18 +50,16 @@ def _named(category: str, question: str, objects: list[dict]) -> list[int]:
 
 
 def _cells(obj: dict, frames: int, size: int, grid: tuple[int, int]) -> np.ndarray:
-    """``[frames, rows, cols]`` bool: the code cells any pixel of the object covers."""
-    from data.synthetic import MovingShape
+    """``[frames, rows, cols]`` bool: the code cells any pixel of the object covers (the
+    pixels `data.synthetic.render_video` draws it on)."""
+    from data.synthetic import MovingShape, shape_mask
 
     shape = MovingShape(**{k: obj[k] for k in MovingShape.__dataclass_fields__})
     rows, cols = grid
-    yy, xx = np.mgrid[0:size, 0:size] + 0.5
-    out = np.zeros((frames, rows, cols), bool)
-    for t in range(frames):
-        cx, cy = shape.centre(t)
-        disc = (xx - cx) ** 2 + (yy - cy) ** 2 <= (shape.radius + 0.5) ** 2
-        out[t] = disc.reshape(rows, size // rows, cols, size // cols).any((1, 3))
-    return out
+    masks = np.stack(
+        [shape_mask(shape.shape, *shape.centre(t), shape.radius, size) for t in range(frames)]
+    )
+    return masks.reshape(frames, rows, size // rows, cols, size // cols).any((2, 4))
 
 
 def main() -> int:
