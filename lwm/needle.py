@@ -191,6 +191,7 @@ def needle_video(
     clip_frames: int = 4,
     needle_frames: int = 1,
     needle_radius: tuple[float, float] | None = None,
+    needle_colours: Sequence[str] | None = None,
     **world: Any,
 ) -> tuple[np.ndarray, str, range]:
     """A long video: ``frames`` frames of consecutive synthetic clips of ``seed`` (without
@@ -198,14 +199,24 @@ def needle_video(
     in frames ``[start, start + needle_frames)``, ``start`` at ``depth`` of the video. Returns
     uint8 frames ``[frames, size, size, 3]``, the expected answer and the needle's frames.
     ``world``: `data.synthetic.sample_video`'s ``max_objects``, ``radius``, ``travel``;
-    ``needle_radius``: the needle's radius range (default: the shapes' ``radius``)."""
+    ``needle_radius``: the needle's radius range (default: the shapes' ``radius``);
+    ``needle_colours``: the needle's colour is drawn from these, and no shape of the haystack
+    has any of them (default: any colour, which the haystack then avoids), so that finding the
+    needle is looking for a colour known beforehand rather than for the one that is rare."""
     from data.synthetic import DEMO_WORLD, PALETTE, SHAPES, render_video, sample_video, shape_mask
     from data.synthetic import with_article as article
 
     if not 1 <= needle_frames <= frames:
         raise ValueError(f"a needle of {needle_frames} frames does not fit in {frames} frames")
+    unknown = sorted(set(needle_colours or ()) - set(PALETTE))
+    if unknown or (needle_colours is not None and not needle_colours):
+        what = f"unknown colour {unknown[0]!r}" if unknown else "no colour given"
+        raise ValueError(f"needle colours: {what} (the world's: {', '.join(PALETTE)})")
+    if needle_colours and len(set(needle_colours)) == len(PALETTE):
+        raise ValueError("needle colours: the haystack needs a colour that is not a needle's")
     rng = np.random.default_rng([seed, frames, round(depth * 1000), 7])
-    colour = str(rng.choice(sorted(PALETTE)))
+    colour = str(rng.choice(sorted(needle_colours or PALETTE)))
+    avoid = set(needle_colours or [colour])
     shape = str(rng.choice(SHAPES))
     parts, index = [], 0
     while sum(len(p) for p in parts) < frames:
@@ -213,10 +224,10 @@ def needle_video(
             seed, index, size=size, num_frames=clip_frames, needle_prob=0.0, **world
         )
         index += 1
-        if all(o.colour != colour for o in spec.objects):
+        if all(o.colour not in avoid for o in spec.objects):
             parts.append(render_video(spec))
         if index > 100 * frames:
-            raise ValueError(f"no clips of seed {seed} avoid the colour {colour}")
+            raise ValueError(f"no clips of seed {seed} avoid the colours {sorted(avoid)}")
     video = np.concatenate(parts)[:frames].copy()
     lo, hi = needle_radius or world.get("radius", DEMO_WORLD["radius"])
     radius = float(rng.uniform(lo, hi)) * size

@@ -1,21 +1,23 @@
 """A context-extension run that shows it: video needle retrieval across lengths, before and after
 a longer-context stage, as LWM shows its stages (needle heatmaps over length x depth).
 
-    python scripts/long_context.py --vqgan runs/demo/vqgan          # the demo's VQGAN
-    python scripts/long_context.py --out runs/long_context --stage1-steps 600 --stage2-steps 300
+    python scripts/long_context.py --vqgan runs/demo/vqgan --init runs/demo/lm   # after the demo
+    python scripts/long_context.py --out runs/long_context --stage1-steps 1500   # from scratch
 
 Each step is a command a user would type (printed before it runs), skipped or resumed when its
 output exists:
 
  1. needle videos (`lwm.needle.write_needle_videos`): long videos of the demo's 32x32 world made
-    of synthetic clips, each with one needle (a shape in a colour no other shape has, for
-    --needle-frames frames) at a depth drawn per video, asked "What appeared briefly?";
+    of synthetic clips, each with one needle (a shape in one of --needle-colours, which no
+    other shape has, for --needle-frames frames) at a depth drawn per video, asked "What
+    appeared briefly?";
     --short-frames frames for stage 1, --long-frames for stage 2 (seeds evaluation never uses);
  2. the VQGAN: --vqgan, or `lwm vqgan train` as the demo trains it;
  3. `lwm tokenize --video-loss all` of both sets (the model learns the frames too, as the
     demo's does, and the answers);
  4. stage 1: `lwm train` (configs/demo.yaml: ring attention over sp, zigzag) at
-    --stage1-seq tokens, which hold a --short-frames video;
+    --stage1-seq tokens, which hold a --short-frames video, from scratch or from --init (the
+    demo's world model: the needle's colour is found either way, its shape is learned faster);
  5. `lwm eval needle --kind video` on lengths of 1x, 4x and 16x the short videos: the heatmap
     shows where retrieval breaks beyond the trained context;
  6. stage 2: `lwm train train.init_from=run:STAGE1` at --stage2-seq tokens (a --long-frames
@@ -49,22 +51,40 @@ def main() -> int:
     p.add_argument("--out", default="runs/long_context")
     p.add_argument("--vqgan", help="a trained VQGAN folder (default: train one, as the demo)")
     p.add_argument("--vqgan-steps", type=int, default=500)
+    p.add_argument(
+        "--init",
+        help="a run folder to start stage 1 from (e.g. runs/demo/lm, the demo's world model, "
+        "which has learned shapes from its questions); needs the --vqgan it was trained with",
+    )
     p.add_argument("--short-frames", type=int, default=15, help="frames of stage 1's videos")
     p.add_argument("--long-frames", type=int, default=60, help="frames of stage 2's videos")
     p.add_argument("--short-videos", type=int, default=1500)
     p.add_argument("--long-videos", type=int, default=400)
     p.add_argument("--clip-frames", type=int, default=4, help="frames per synthetic clip")
     p.add_argument("--needle-frames", type=int, default=2)
-    p.add_argument("--needle-radius", default="0.2,0.25", help="the needle's radius range")
+    p.add_argument(
+        "--needle-radius",
+        default="0.3,0.35",
+        help="the needle's radius range, of the frame (the world's shapes: 0.14-0.18; at "
+        "0.2-0.25 stage 1 calls most square needles circles)",
+    )
+    p.add_argument(
+        "--needle-colours",
+        default="white,cyan",
+        help="the needles' colours, which no shape of the haystack has ('' for any colour, "
+        "which the haystack then avoids: finding the rare colour, not learned in stage 1)",
+    )
     p.add_argument("--stage1-seq", type=int, default=1024)
     p.add_argument("--stage2-seq", type=int, default=4096)
-    p.add_argument("--stage1-steps", type=int, default=400)
+    p.add_argument("--stage1-steps", type=int, default=500)
     p.add_argument("--stage2-steps", type=int, default=150)
     p.add_argument("--stage2-batch", type=int, default=2)
     p.add_argument("--theta-factor", type=float, default=4.0, help="stage 2's rope_theta x")
-    p.add_argument("--samples", type=int, default=2, help="needle videos per heatmap cell")
-    p.add_argument("--mesh", default="1,2,4,1", help="dp,fsdp,sp,tp of the world model")
+    p.add_argument("--samples", type=int, default=4, help="needle videos per heatmap cell")
+    p.add_argument("--mesh", default="2,1,2,1", help="dp,fsdp,sp,tp of the world model")
     args = p.parse_args()
+    if args.init and not args.vqgan:
+        p.error("--init needs --vqgan: the VQGAN whose codes the run was trained on")
 
     from lwm.config import load_config
     from lwm.needle import NeedleReport, side_by_side, write_needle_videos
@@ -73,10 +93,12 @@ def main() -> int:
     lwm = [sys.executable, "-m", "lwm"]
     cpu = ["--cpu-devices", str(math.prod(int(n) for n in args.mesh.split(",")))]
     needle_radius = tuple(float(x) for x in args.needle_radius.split(","))
+    needle_colours = [c for c in args.needle_colours.split(",") if c] or None
     video = dict(
         clip_frames=args.clip_frames,
         needle_frames=args.needle_frames,
         needle_radius=needle_radius,
+        needle_colours=needle_colours,
         **WORLD,
     )
     start = time.perf_counter()
@@ -114,6 +136,7 @@ def main() -> int:
         [*train, f"data.source={out / 'tokens' / 'short'}", f"train.output_dir={stage1}"]
         + [f"train.seq_len={args.stage1_seq}", f"model.max_seq_len={args.stage1_seq}"]
         + [f"train.steps={args.stage1_steps}"]
+        + ([f"train.init_from=run:{args.init}"] if args.init else [])
     )
 
     # 5, 7. the video needle on 1x, 4x, 16x the short videos, before and after stage 2
@@ -129,6 +152,7 @@ def main() -> int:
                 + ["--clip-frames", str(args.clip_frames)]
                 + ["--needle-frames", str(args.needle_frames)]
                 + ["--needle-radius", args.needle_radius, "--max-new-tokens", "8"]
+                + (["--needle-colours", args.needle_colours] if needle_colours else [])
                 + ["--prefill-chunk", "1024", "--batch-size", str(5 * args.samples)]
                 + ["--out", str(target)]
             )

@@ -137,6 +137,31 @@ def test_a_video_needle_is_in_the_frames_asked_and_in_no_other_shape():
     assert at_end == range(11, 12) and first.shape == last.shape
 
 
+def test_needle_colours_are_the_needles_alone():
+    """With ``needle_colours`` the needle takes one of them and no haystack pixel has any of
+    them, whatever the needle drawn; unknown colours and a palette with nothing left fail."""
+    from data.synthetic import PALETTE
+
+    reserved = ("white", "cyan")
+    seen = set()
+    for seed in range(6):
+        frames, expected, where = needle_video(
+            16, 0.4, seed=seed, clip_frames=4, needle_frames=2, needle_colours=reserved
+        )
+        colour = expected.split()[1]
+        seen.add(colour)
+        assert colour in reserved
+        for t in range(16):
+            for name in reserved:
+                n = (frames[t] == PALETTE[name]).all(-1).sum()
+                assert (n > 0) == (name == colour and t in where), (seed, t, name)
+    assert seen == set(reserved)
+    with pytest.raises(ValueError, match="unknown colour 'pink'"):
+        needle_video(8, 0.5, needle_colours=["white", "pink"])
+    with pytest.raises(ValueError, match="a colour that is not a needle's"):
+        needle_video(8, 0.5, needle_colours=list(PALETTE))
+
+
 def test_video_cases_prompt_with_every_frame(codec):
     class Encoder:  # codes of the right shape; what they are does not matter here
         def encode(self, frames):

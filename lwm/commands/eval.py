@@ -120,6 +120,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_numbers(float),
         help="video: the needle's radius range (default: --radius)",
     )
+    p.add_argument(
+        "--needle-colours",
+        type=_names,
+        help="video: the needle's colours, which no shape of the haystack has "
+        "(e.g. white,orange; default: any colour, which the haystack then avoids)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="folder for needle-KIND.jsonl and .png")
     _SUBPARSERS["needle"] = p
@@ -136,6 +142,13 @@ def _numbers(kind):
         return values
 
     return parse
+
+
+def _names(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected comma-separated names, got {text!r}")
+    return names
 
 
 def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
@@ -229,6 +242,7 @@ def _needle(args: argparse.Namespace) -> int:
                 radius=tuple(args.radius),
                 travel=DEMO_WORLD["travel"],
                 needle_radius=tuple(args.needle_radius) if args.needle_radius else None,
+                needle_colours=args.needle_colours,
             )
         else:
             multi = args.kind == "multi"
