@@ -2,7 +2,9 @@
 a longer-context stage, as LWM shows its stages (needle heatmaps over length x depth).
 
     python scripts/long_context.py --vqgan runs/demo/vqgan --init runs/demo/lm   # after the demo
-    python scripts/long_context.py --out runs/long_context --stage1-steps 1500   # from scratch
+
+Without --init, stage 1 starts from scratch (and without --vqgan the script trains a VQGAN as
+the demo does); README.md says what each was measured to reach.
 
 Each step is a command a user would type (printed before it runs), skipped or resumed when its
 output exists:
@@ -81,7 +83,13 @@ def main() -> int:
     p.add_argument("--stage2-batch", type=int, default=2)
     p.add_argument("--theta-factor", type=float, default=4.0, help="stage 2's rope_theta x")
     p.add_argument("--samples", type=int, default=4, help="needle videos per heatmap cell")
-    p.add_argument("--mesh", default="2,1,2,1", help="dp,fsdp,sp,tp of the world model")
+    p.add_argument("--mesh", default="2,1,2,1", help="dp,fsdp,sp,tp of stage 1")
+    p.add_argument(
+        "--stage2-mesh",
+        default="1,1,2,1",
+        help="dp,fsdp,sp,tp of stage 2 (on 4 simulated devices of a 2-core machine, stage 2's "
+        "4,096-token rows stopped in XLA's CPU collectives: a device never joined a ring step)",
+    )
     args = p.parse_args()
     if args.init and not args.vqgan:
         p.error("--init needs --vqgan: the VQGAN whose codes the run was trained on")
@@ -91,7 +99,11 @@ def main() -> int:
 
     out = Path(args.out)
     lwm = [sys.executable, "-m", "lwm"]
-    cpu = ["--cpu-devices", str(math.prod(int(n) for n in args.mesh.split(",")))]
+
+    def cpu_devices(mesh: str) -> list[str]:
+        return ["--cpu-devices", str(math.prod(int(n) for n in mesh.split(",")))]
+
+    cpu = cpu_devices(args.mesh)
     needle_radius = tuple(float(x) for x in args.needle_radius.split(","))
     needle_colours = [c for c in args.needle_colours.split(",") if c] or None
     video = dict(
@@ -131,9 +143,10 @@ def main() -> int:
 
     # 4. stage 1 at the short context
     stage1, stage2 = out / "stage1", out / "stage2"
-    train = [*lwm, "train", *cpu, "--config", "configs/demo.yaml", f"mesh.shape={args.mesh}"]
+    train = [*lwm, "train", "--config", "configs/demo.yaml"]
     run(
-        [*train, f"data.source={out / 'tokens' / 'short'}", f"train.output_dir={stage1}"]
+        [*train, *cpu, f"mesh.shape={args.mesh}"]
+        + [f"data.source={out / 'tokens' / 'short'}", f"train.output_dir={stage1}"]
         + [f"train.seq_len={args.stage1_seq}", f"model.max_seq_len={args.stage1_seq}"]
         + [f"train.steps={args.stage1_steps}"]
         + ([f"train.init_from=run:{args.init}"] if args.init else [])
@@ -163,7 +176,8 @@ def main() -> int:
     # 6. stage 2 at the long context, from stage 1's weights
     theta = load_config("configs/demo.yaml").model.rope_theta * args.theta_factor
     run(
-        [*train, f"data.source={out / 'tokens' / 'long'}", f"train.output_dir={stage2}"]
+        [*train, *cpu_devices(args.stage2_mesh), f"mesh.shape={args.stage2_mesh}"]
+        + [f"data.source={out / 'tokens' / 'long'}", f"train.output_dir={stage2}"]
         + [f"train.init_from=run:{stage1}", f"model.rope_theta={theta}"]
         + [f"train.seq_len={args.stage2_seq}", f"model.max_seq_len={args.stage2_seq}"]
         + [f"train.steps={args.stage2_steps}", f"train.batch_size={args.stage2_batch}"]
