@@ -48,6 +48,10 @@ def test_eval_needle_command_writes_jsonl_and_heatmap(run, tmp_path, capsys):
     assert lwm([*needle, "--haystack", str(tmp_path / "none.txt")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == f"lwm eval: error: haystack file '{tmp_path / 'none.txt'}' not found"
+    assert lwm([*needle, "--kind", "video", "--needle-colours", "white,pink"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("lwm eval: error: --needle-colours: unknown colour 'pink' (known: red,")
+    assert len(err.splitlines()) == 1
 
 
 def test_chat_answers_every_turn_and_reports_a_full_context(run, monkeypatch, capsys):

@@ -31,7 +31,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from data.synthetic import DEMO_WORLD
+from data.synthetic import DEMO_WORLD, PALETTE
 from lwm.commands import add_cpu_devices, positive_int
 
 _SUBPARSERS: dict[str, argparse.ArgumentParser] = {}
@@ -124,7 +124,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--needle-colours",
         type=_names,
         help="video: the needle's colours, which no shape of the haystack has "
-        "(e.g. white,orange; default: any colour, which the haystack then avoids)",
+        "(e.g. white,cyan; default: any colour, which the haystack then avoids)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="folder for needle-KIND.jsonl and .png")
@@ -225,6 +225,14 @@ def _needle(args: argparse.Namespace) -> int:
     if bad or min(args.lengths) < 1:
         what = f"depth {bad[0]} is not in [0, 1]" if bad else "lengths must be positive"
         print(f"lwm eval: error: {what}", file=sys.stderr)
+        return 2
+    unknown = sorted(set(args.needle_colours or ()) - set(PALETTE))
+    if unknown:  # before the model loads
+        known = ", ".join(PALETTE)
+        print(
+            f"lwm eval: error: --needle-colours: unknown colour {unknown[0]!r} (known: {known})",
+            file=sys.stderr,
+        )
         return 2
     try:
         qa, _ = load_video_qa(args, _log, vqgan=args.kind == "video")
