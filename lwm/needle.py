@@ -182,6 +182,22 @@ def text_cases(
                 )
 
 
+def check_needle_colours(colours: Sequence[str] | None) -> None:
+    """`needle_video`'s ``needle_colours``: None, or some (not all) of the world's colours;
+    a ValueError saying which rule they break otherwise."""
+    from data.synthetic import PALETTE
+
+    if colours is None:
+        return
+    unknown = sorted(set(colours) - set(PALETTE))
+    if unknown:
+        raise ValueError(f"unknown colour {unknown[0]!r} (known: {', '.join(PALETTE)})")
+    if not colours:
+        raise ValueError("no colour given")
+    if len(set(colours)) == len(PALETTE):
+        raise ValueError("the haystack needs a colour that is not a needle's")
+
+
 def needle_video(
     frames: int,
     depth: float,
@@ -208,12 +224,10 @@ def needle_video(
 
     if not 1 <= needle_frames <= frames:
         raise ValueError(f"a needle of {needle_frames} frames does not fit in {frames} frames")
-    unknown = sorted(set(needle_colours or ()) - set(PALETTE))
-    if unknown or (needle_colours is not None and not needle_colours):
-        what = f"unknown colour {unknown[0]!r}" if unknown else "no colour given"
-        raise ValueError(f"needle colours: {what} (the world's: {', '.join(PALETTE)})")
-    if needle_colours and len(set(needle_colours)) == len(PALETTE):
-        raise ValueError("needle colours: the haystack needs a colour that is not a needle's")
+    try:
+        check_needle_colours(needle_colours)
+    except ValueError as e:
+        raise ValueError(f"needle colours: {e}") from None
     rng = np.random.default_rng([seed, frames, round(depth * 1000), 7])
     colour = str(rng.choice(sorted(needle_colours or PALETTE)))
     avoid = set(needle_colours or [colour])

@@ -31,7 +31,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from data.synthetic import DEMO_WORLD, PALETTE
+from data.synthetic import DEMO_WORLD
 from lwm.commands import add_cpu_devices, positive_int
 
 _SUBPARSERS: dict[str, argparse.ArgumentParser] = {}
@@ -219,20 +219,23 @@ def _needle(args: argparse.Namespace) -> int:
     import datetime
     from pathlib import Path
 
-    from lwm.needle import Haystack, evaluate_needles, text_cases, video_cases
+    from lwm.needle import (
+        Haystack,
+        check_needle_colours,
+        evaluate_needles,
+        text_cases,
+        video_cases,
+    )
 
     bad = [d for d in args.depths if not 0.0 <= d <= 1.0]
     if bad or min(args.lengths) < 1:
         what = f"depth {bad[0]} is not in [0, 1]" if bad else "lengths must be positive"
         print(f"lwm eval: error: {what}", file=sys.stderr)
         return 2
-    unknown = sorted(set(args.needle_colours or ()) - set(PALETTE))
-    if unknown:  # before the model loads
-        known = ", ".join(PALETTE)
-        print(
-            f"lwm eval: error: --needle-colours: unknown colour {unknown[0]!r} (known: {known})",
-            file=sys.stderr,
-        )
+    try:  # before the model loads
+        check_needle_colours(args.needle_colours)
+    except ValueError as e:
+        print(f"lwm eval: error: --needle-colours: {e}", file=sys.stderr)
         return 2
     try:
         qa, _ = load_video_qa(args, _log, vqgan=args.kind == "video")
