@@ -20,7 +20,7 @@ from lwm.config import ConfigError
 from vqgan import load_model, load_tokenizer
 from vqgan.config import VQGANConfig, VQGANModelConfig, load_vqgan_config
 from vqgan.legacy_pickle import LegacyPickleError, load_legacy_pickle
-from vqgan.model import VQGAN, init_model
+from vqgan.model import VQGAN, GroupNorm, init_model
 from vqgan.preprocess import postprocess, preprocess, resize_and_crop, resized_shape
 from vqgan.quantizer import (
     VectorQuantizer,
@@ -376,6 +376,32 @@ def test_ours_equals_lwm_architecture_with_the_same_weights() -> None:
         np.testing.assert_array_equal(np.asarray(ours.encode(x).codes), np.asarray(ref_codes))
         ref_frames = lwm.apply({"params": tree}, ref_codes, method=ref.LWMVQGAN.decode)
         np.testing.assert_allclose(ours.decode_codes(ref_codes), ref_frames, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_group_norm_equals_flax(dtype: str) -> None:
+    """`vqgan.model.GroupNorm` (per-channel sums, then groups) gives Flax's `nnx.GroupNorm`
+    result for the same parameters: frames and flat vectors, one channel or several per group,
+    inputs centred on zero and off it."""
+    rng = np.random.default_rng(0)
+    for shape, groups, offset in [
+        ((2, 5, 7, 64), 8, 0.0),
+        ((3, 4, 4, 32), 32, 5.0),
+        ((4, 16), 4, 1.0),
+    ]:
+        c = shape[-1]
+        ours = GroupNorm(c, num_groups=groups, epsilon=1e-6, dtype=dtype, rngs=nnx.Rngs(0))
+        flax_gn = nnx.GroupNorm(c, num_groups=groups, epsilon=1e-6, dtype=dtype, rngs=nnx.Rngs(0))
+        ours.scale[...] = jnp.asarray(rng.standard_normal(c), jnp.float32)
+        ours.bias[...] = jnp.asarray(rng.standard_normal(c), jnp.float32)
+        flax_gn.scale[...], flax_gn.bias[...] = ours.scale[...], ours.bias[...]
+        x = jnp.asarray(rng.standard_normal(shape) * 2 + offset, dtype)
+        got, want = ours(x), flax_gn(x)
+        assert got.dtype == want.dtype == jnp.dtype(dtype) and got.shape == shape
+        tol = 1e-5 if dtype == "float32" else 3e-2
+        np.testing.assert_allclose(
+            np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tol, rtol=tol
+        )
 
 
 def test_import_lwm_pickle(tmp_path: Path) -> None:
