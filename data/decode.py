@@ -43,6 +43,9 @@ class DecodeOptions:
     fps: float | None = None
     max_frames: int | None = None
     min_frames: int = 1
+    # Decoding threads per video (decord's ``num_threads``); 0: decord's choice, one per core.
+    # Worker processes, which already take a core each, decode with one (`decode_stream`).
+    decoder_threads: int = 0
 
 
 @dataclass
@@ -116,7 +119,9 @@ def _read_video(path: Path, options: DecodeOptions) -> tuple[np.ndarray, int]:
     decord.logging.set_level(decord.logging.QUIET)
     try:
         with _quiet_stderr():
-            reader = decord.VideoReader(str(path), ctx=decord.cpu(0))
+            reader = decord.VideoReader(
+                str(path), ctx=decord.cpu(0), num_threads=options.decoder_threads
+            )
     except Exception as e:
         detail = str(e).rpartition("Error: ")[2] if "Error: " in str(e) else ""
         detail = " ".join(detail.split())[:200] or "unknown format, or the file is damaged"

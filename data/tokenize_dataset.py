@@ -45,7 +45,13 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from data.chunk_encoder import ChunkEncoder, EncoderPipeline, decode_stream, default_workers
+from data.chunk_encoder import (
+    ChunkEncoder,
+    EncoderPipeline,
+    decode_stream,
+    default_workers,
+    start_workers,
+)
 from data.decode import DecodeOptions
 from data.manifest import Item, read_inputs
 from data.tokens import NUM_CODES, TextCodec
@@ -118,7 +124,8 @@ class TokenizeSummary:
     tokens: int = 0  # tokens in the dataset
     seconds: float = 0.0
     encode_seconds: float = 0.0
-    started: float = 0.0  # time.perf_counter() at the start of the run
+    started: float = 0.0  # time.perf_counter() when encoding starts
+    startup: float = 0.0  # seconds before it: reading inputs, loading and compiling the VQGAN
     resumed_chunks: int = 0
     published: bool = False
     output: str = ""
@@ -146,7 +153,8 @@ class TokenizeSummary:
             out.append(
                 f"{self.frames} frames encoded in {self.seconds:.1f} s "
                 f"({self.frames / self.seconds:.1f} frames/s, {self.workers} decoding "
-                f"worker{'s' * (self.workers != 1)}); encoder busy {busy:.0f}% of the time"
+                f"worker{'s' * (self.workers != 1)}; {self.startup:.1f} s of start-up before); "
+                f"encoder busy {busy:.0f}% of the time"
                 + (f"; {resumed} chunks from an earlier run" if resumed else "")
             )
         if self.published:
@@ -189,6 +197,18 @@ def tokenize_dataset(
         )
     if out.exists():
         raise TokenizeError(f"output '{out}' already exists; remove it or choose another --output")
+    began = time.perf_counter()
+    workers = default_workers() if opts.workers is None else opts.workers
+    pool = start_workers(workers)  # they start while the VQGAN loads and compiles
+    try:
+        return _tokenize(opts, encoder, log, mesh, distributed, out, work, workers, pool, began)
+    finally:
+        if pool is not None:
+            pool.terminate()
+
+
+def _tokenize(opts, encoder, log, mesh, distributed, out, work, workers, pool, began):
+    """`tokenize_dataset` once its checks pass and its workers are starting."""
     items = read_inputs(opts.input)
     codec = TextCodec.load(opts.tokenizer)
     if encoder is None:
@@ -236,13 +256,19 @@ def tokenize_dataset(
     decode_opts = DecodeOptions(encoder.resolution, opts.fps, opts.max_frames, opts.min_frames)
     plans = {c: chunk_plan(items, chunk_range(c, opts.chunk_size, len(items))) for c in todo}
     indices = [i for c in todo for i, first in plans[c] if first is None]
+    if indices and getattr(encoder, "batch_size", None) == opts.batch_frames:
+        # compile the encoder now (the workers are starting meanwhile), not on the first batch
+        frames = np.zeros((encoder.batch_size, encoder.resolution, encoder.resolution, 3))
+        encoder.encode_chunk(encoder.place(frames.astype(np.uint8))).block_until_ready()
     start = summary.started = time.perf_counter()
+    summary.startup = start - began
     bar = _progress(opts, sum(len(plans[c]) for c in todo), role)
-    workers = default_workers() if opts.workers is None else opts.workers
     summary.workers = workers
     # Two batches of frames decoded ahead: the next batch is ready when the encoder is.
-    stream = decode_stream(items, indices, decode_opts, workers, frames_ahead=2 * opts.batch_frames)
-    pipeline = EncoderPipeline(encoder)  # one batch in flight, across chunks
+    stream = decode_stream(
+        items, indices, decode_opts, workers, frames_ahead=2 * opts.batch_frames, pool=pool
+    )
+    pipeline = EncoderPipeline(encoder)  # two batches in flight, across chunks
     saver = ThreadPoolExecutor(1, thread_name_prefix="chunk-writer")  # writes overlap encoding
     saves, open_chunks = [], deque()
 
@@ -281,7 +307,7 @@ def tokenize_dataset(
         for saved in saves:
             saved.result()  # a write that failed fails the run
     finally:
-        stream.close()  # stops the worker processes
+        stream.close()  # stops feeding the workers (the caller stops them)
         saver.shutdown()
         pipeline.close()
         if bar is not None:
