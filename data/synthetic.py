@@ -460,6 +460,7 @@ def write_dataset(
     qa_layout: str = "video",
     categories: tuple[str, ...] | None = None,
     manifest_name: str = "manifest.jsonl",
+    also: dict[str, tuple[str, ...]] | None = None,
     **world: Any,
 ) -> Path:
     """Write ``count`` videos as MP4 under ``out/videos`` with ``videos.jsonl`` and
@@ -471,12 +472,18 @@ def write_dataset(
     ``manifest_name``: the manifest's file name in ``out``, so that one folder of videos can
     have several manifests (e.g. ``shapes.jsonl`` with ``categories=("shape",)``): a video
     that ``out/videos.jsonl`` already lists with the same attributes, and whose MP4 is there,
-    is not rendered again."""
+    is not rendered again. ``also``: more manifests of the same videos, written in the same
+    pass, by file name, each with only the questions of its categories (``{"shapes.jsonl":
+    ("shape",)}``): what a second call with that name and those categories would write."""
     from lwm.base.media import LOSSLESS, write_mp4
 
     out = Path(out)
-    if not manifest_name.endswith(".jsonl") or Path(manifest_name).name != manifest_name:
-        raise ValueError(f"manifest name {manifest_name!r} is not a file name ending in .jsonl")
+    also = dict(also or {})
+    for name in [manifest_name, *also]:
+        if not name.endswith(".jsonl") or Path(name).name != name:
+            raise ValueError(f"manifest name {name!r} is not a file name ending in .jsonl")
+    if manifest_name in also:
+        raise ValueError(f"manifest {manifest_name!r} is asked for twice")
     written = _written_videos(out)
 
     def draw(i: int) -> VideoSpec:
@@ -484,10 +491,12 @@ def write_dataset(
             seed, i, size=size, num_frames=num_frames, fps=fps, needle_prob=needle_prob, **world
         )
 
-    _check_categories(categories)  # an unknown category fails before any output
+    for cats in [categories, *also.values()]:
+        _check_categories(cats)  # an unknown category fails before any output
     first = draw(0) if count else None  # a world that cannot be drawn fails before any output
     (out / "videos").mkdir(parents=True, exist_ok=True)
     specs, manifest = [], []
+    extra: dict[str, list[dict[str, Any]]] = {name: [] for name in also}
     indices: Any = range(count)
     if progress:
         from tqdm import tqdm
@@ -505,7 +514,13 @@ def write_dataset(
             manifest.append({"video": rel, "text": spec.caption})
         records = spec.qa_records(qa_layout, categories)
         manifest.extend({"video": rel, "qa": record} for record in records)
+        for name, cats in also.items():
+            if captions:
+                extra[name].append({"video": rel, "text": spec.caption})
+            extra[name].extend({"video": rel, "qa": r} for r in spec.qa_records(qa_layout, cats))
     write_jsonl(out / "videos.jsonl", specs)
+    for name, lines in extra.items():
+        write_jsonl(out / name, lines)
     write_jsonl(out / manifest_name, manifest)
     return out / manifest_name
 

@@ -17,8 +17,8 @@ when its output already exists, so rerunning the demo continues where it stopped
     learns the answers and, as a world model, the video tokens too;
  4. `lwm train`: the `demo` world model (configs/demo.yaml), ring attention over `sp`, zigzag
     layout, on a (2, 1, 2, 1) mesh of 4 simulated CPU devices: first `--shapes-first-steps`
-    steps on the same videos with their shape questions only (`lwm synthetic --categories
-    shape --manifest shapes.jsonl` writes that manifest next to the first, `lwm tokenize`
+    steps on the same videos with their shape questions only (`lwm synthetic
+    --also-manifest shapes.jsonl:shape` writes that manifest next to the first, `lwm tokenize`
     encodes it), the skill it learns slowest (docs/qa.md), then `--lm-steps` on all the
     questions from those weights, with the held-out questions asked after the last step (and
     every `--eval-every` steps if given);
@@ -56,7 +56,12 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="runs/demo")
     p.add_argument("--videos", type=int, default=2000, help="training videos")
-    p.add_argument("--held-out", type=int, default=24, help="videos to ask questions about")
+    p.add_argument(
+        "--held-out",
+        type=int,
+        default=100,
+        help="videos to ask questions about (default 100: about 930 questions)",
+    )
     p.add_argument("--frames", type=int, default=4, help="frames per video")
     p.add_argument("--vqgan-steps", type=int, default=500)
     p.add_argument(
@@ -106,8 +111,10 @@ def main() -> int:
                 env=env,
             )
 
-    # 1. videos
-    videos(train_videos, args.videos, 0)
+    # 1. videos (with the shape questions' manifest of step 3b, written in the same pass)
+    shape_videos = train_videos.parent / "shapes.jsonl"
+    also = ["--also-manifest", "shapes.jsonl:shape"] if args.shapes_first_steps > 0 else []
+    videos(train_videos, args.videos, 0, *also)
     videos(held_out, args.held_out, 1)
 
     # 2. the VQGAN (resumes from its checkpoints when rerun)
@@ -122,8 +129,8 @@ def main() -> int:
     # stage of the world model on them: shapes are the skill it learns slowest (docs/qa.md)
     first_stage = []
     if args.shapes_first_steps > 0:
-        # a second manifest in the training videos' folder (the videos are not written again)
-        shape_videos = train_videos.parent / "shapes.jsonl"
+        # a second manifest in the training videos' folder; a folder of an earlier run without
+        # it gets it now (its videos are not written again)
         videos(shape_videos, args.videos, 0, "--categories", "shape", "--manifest", "shapes.jsonl")
         shape_tokens = out / "shape_tokens"
         tokenize(shape_videos, shape_tokens)

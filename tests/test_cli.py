@@ -109,6 +109,14 @@ def test_synthetic_verb_writes_a_manifest_and_refuses_an_impossible_world(tmp_pa
     assert (out / "manifest.jsonl").is_file()  # the first manifest stays
     mp4.unlink()
     assert main(argv) == 0 and mp4.is_file()  # a missing video is rendered
+    # or both manifests in one pass: --also-manifest writes what the second call writes
+    plain, both = tmp_path / "plain", tmp_path / "both"
+    assert main(["synthetic", "--out", str(plain), *args]) == 0
+    assert main(["synthetic", "--out", str(both), *args, "--also-manifest", "s.jsonl:shape"]) == 0
+    assert (both / "s.jsonl").read_text() == (shapes / "manifest.jsonl").read_text()
+    assert (both / "manifest.jsonl").read_text() == (plain / "manifest.jsonl").read_text()
+    result = _lwm("synthetic", "--out", str(tmp_path / "no"), "--also-manifest", "s.jsonl:colours")
+    _assert_one_line_error(result, "unknown question categories colours", verb="synthetic")
     result = _lwm("synthetic", "--out", str(out), "--manifest", "../m.jsonl")
     _assert_one_line_error(result, "is not a file name ending in .jsonl", verb="synthetic")
     result = _lwm("synthetic", "--out", str(tmp_path / "no"), "--categories", "shape,colours")

@@ -25,6 +25,15 @@ def _pair(text: str) -> tuple[float, float]:
     return lo, hi
 
 
+def _also(text: str) -> tuple[str, tuple[str, ...]]:
+    name, sep, cats = text.partition(":")
+    if not sep or not name or not cats:
+        raise argparse.ArgumentTypeError(
+            f"expected FILE:CATEGORIES (e.g. shapes.jsonl:shape), got {text!r}"
+        )
+    return name, tuple(cats.split(","))
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from data.synthetic import CATEGORIES, QA_LAYOUTS, RADIUS, TRAVEL
 
@@ -67,11 +76,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "already holds with the same attributes are kept, not rendered again, so "
         "`--categories shape --manifest shapes.jsonl` adds a manifest to a folder of videos",
     )
+    parser.add_argument(
+        "--also-manifest",
+        action="append",
+        default=[],
+        metavar="FILE:CATEGORIES",
+        type=_also,
+        help="also write FILE in OUT, a manifest of the same videos with only the questions "
+        "of CATEGORIES (comma-separated), e.g. shapes.jsonl:shape; repeatable",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     from data.synthetic import write_dataset
 
+    names = [name for name, _ in args.also_manifest]
+    if len(set(names)) != len(names):
+        print(f"lwm synthetic: error: --also-manifest names a file twice: {names}", file=sys.stderr)
+        return 2
     try:
         manifest = write_dataset(
             args.out,
@@ -86,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
             qa_layout=args.qa_records,
             categories=tuple(args.categories.split(",")) if args.categories else None,
             manifest_name=args.manifest,
+            also=dict(args.also_manifest),
             max_objects=args.max_objects,
             radius=args.radius,
             travel=args.travel,
