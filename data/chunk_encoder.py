@@ -320,7 +320,7 @@ def decode_stream(
         pool = start_workers(workers)
     assert pool is not None
     try:
-        pending: deque = deque()  # (task, how many items it decodes), in order
+        pending: deque = deque()  # tasks (groups of items), in order
         ready: deque[Decoded] = deque()  # decoded items of a collected task, not yet yielded
         upcoming = iter(indices)
         seen_items, seen_frames, ahead = 0, 0, 0

@@ -479,11 +479,14 @@ def write_dataset(
 
     out = Path(out)
     also = dict(also or {})
-    for name in [manifest_name, *also]:
-        if not name.endswith(".jsonl") or Path(name).name != name:
-            raise ValueError(f"manifest name {name!r} is not a file name ending in .jsonl")
     if manifest_name in also:
         raise ValueError(f"manifest {manifest_name!r} is asked for twice")
+    # every manifest by file name, with its categories; the main one last (written last, so
+    # that its existence means the others are there too)
+    manifests = {**also, manifest_name: categories}
+    for name in manifests:
+        if not name.endswith(".jsonl") or Path(name).name != name:
+            raise ValueError(f"manifest name {name!r} is not a file name ending in .jsonl")
     written = _written_videos(out)
 
     def draw(i: int) -> VideoSpec:
@@ -491,12 +494,12 @@ def write_dataset(
             seed, i, size=size, num_frames=num_frames, fps=fps, needle_prob=needle_prob, **world
         )
 
-    for cats in [categories, *also.values()]:
+    for cats in manifests.values():
         _check_categories(cats)  # an unknown category fails before any output
     first = draw(0) if count else None  # a world that cannot be drawn fails before any output
     (out / "videos").mkdir(parents=True, exist_ok=True)
-    specs, manifest = [], []
-    extra: dict[str, list[dict[str, Any]]] = {name: [] for name in also}
+    specs: list[dict[str, Any]] = []
+    lines: dict[str, list[dict[str, Any]]] = {name: [] for name in manifests}
     indices: Any = range(count)
     if progress:
         from tqdm import tqdm
@@ -510,18 +513,14 @@ def write_dataset(
             # lossless, so every run trains the VQGAN and world model on the same pixels
             write_mp4(out / rel, render_video(spec), fps=fps, **LOSSLESS)
         specs.append(line)
-        if captions:
-            manifest.append({"video": rel, "text": spec.caption})
-        records = spec.qa_records(qa_layout, categories)
-        manifest.extend({"video": rel, "qa": record} for record in records)
-        for name, cats in also.items():
+        for name, cats in manifests.items():
             if captions:
-                extra[name].append({"video": rel, "text": spec.caption})
-            extra[name].extend({"video": rel, "qa": r} for r in spec.qa_records(qa_layout, cats))
+                lines[name].append({"video": rel, "text": spec.caption})
+            records = spec.qa_records(qa_layout, cats)
+            lines[name].extend({"video": rel, "qa": record} for record in records)
     write_jsonl(out / "videos.jsonl", specs)
-    for name, lines in extra.items():
-        write_jsonl(out / name, lines)
-    write_jsonl(out / manifest_name, manifest)
+    for name, manifest in lines.items():
+        write_jsonl(out / name, manifest)
     return out / manifest_name
 
 

@@ -258,8 +258,9 @@ def _tokenize(opts, encoder, log, mesh, distributed, out, work, workers, pool, b
     indices = [i for c in todo for i, first in plans[c] if first is None]
     if indices and getattr(encoder, "batch_size", None) == opts.batch_frames:
         # compile the encoder now (the workers are starting meanwhile), not on the first batch
-        frames = np.zeros((encoder.batch_size, encoder.resolution, encoder.resolution, 3))
-        encoder.encode_chunk(encoder.place(frames.astype(np.uint8))).block_until_ready()
+        res = encoder.resolution
+        frames = np.zeros((encoder.batch_size, res, res, 3), np.uint8)
+        encoder.encode_chunk(encoder.place(frames)).block_until_ready()
     start = summary.started = time.perf_counter()
     summary.startup = start - began
     bar = _progress(opts, sum(len(plans[c]) for c in todo), role)
