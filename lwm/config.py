@@ -85,8 +85,9 @@ class ModelConfig(BaseModel):
     param_dtype: DType = "float32"  # stored parameters
     attention: Literal["dense", "blockwise", "ring"] = "blockwise"
     # The block kernel of blockwise and ring attention: XLA, Pallas (TPU; interpreted, slowly,
-    # elsewhere) or auto (Pallas on TPUs, XLA elsewhere). `lwm.attention.blockwise.KERNELS`.
-    attention_kernel: Literal["xla", "pallas", "auto"] = "xla"
+    # elsewhere), cuDNN's flash attention (NVIDIA GPUs; a dense stand-in elsewhere, for tests)
+    # or auto (Pallas on TPUs, cuDNN on GPUs, XLA elsewhere). `lwm.attention.blockwise.KERNELS`.
+    attention_kernel: Literal["xla", "pallas", "cudnn", "auto"] = "xla"
     block_q: PositiveInt = 512
     block_k: PositiveInt = 512
     remat_policy: RematPolicy = "nothing_saveable"

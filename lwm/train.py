@@ -165,7 +165,11 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
     )
     tokens_per_step = tc.batch_size * seq_len
     model_flops = flops_per_token(model_cfg, seq_len).train * tokens_per_step
-    peak = measure_peak_flops(jax.devices()) if tc.peak_flops == "auto" else tc.peak_flops
+    peak = (
+        measure_peak_flops(jax.devices(), model_cfg.dtype)
+        if tc.peak_flops == "auto"
+        else tc.peak_flops
+    )
     peak_total = peak * jax.device_count()
     writer = MetricsWriter(output, primary)
     evaluator = QAEvaluator(cfg, graphdef, output, log) if cfg.eval.manifest else None

@@ -1,9 +1,13 @@
 """Training-step throughput: tokens/s and MFU of the full training step (forward, backward,
 AdamW) for two model sizes and two sequence lengths, ring attention against dense attention,
-side by side in one process on 8 simulated CPU devices.
+side by side in one process on 8 simulated CPU devices, or on the NVIDIA GPUs JAX sees.
 
     python scripts/bench_train.py                       # defaults below
     python scripts/bench_train.py --sizes tiny --seqs 2048 --repeats 5
+    # one GPU: LWM-7B's width with 4 layers (1.14B parameters), bf16 compute, fp32 parameters,
+    # blockwise attention with the XLA and the cuDNN block kernel side by side
+    python scripts/bench_train.py --platform gpu --sizes 7b-4l --seqs 8192,32768 \
+        --attention blockwise --kernels xla,cudnn
     python scripts/bench_train.py --sizes small --seqs 1024 --attention ring --batch 8 \
         --dataset runs/demo/tokens --repeats 20     # batches read from a token dataset
 
@@ -13,22 +17,30 @@ grain), as `lwm train` does, and the line adds the time each step waited for it.
 
 One JSON line per measurement on stdout, then one ratio line (ring over dense) per
 (size, seq). MFU = model FLOPs (lwm.info.flops_per_token: 6N + 12*L*H*S per token) x tokens/s
-over the matmul FLOP/s measured on all devices at once in the same run.
+over the matmul FLOP/s measured on all devices at once in the same run, in the model's compute
+dtype (bf16 for the 7b sizes: a GPU's bf16 tensor-core rate).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+_args = sys.argv[1:]
+_gpu = "--platform=gpu" in _args or any(
+    a == "--platform" and b == "gpu" for a, b in zip(_args, _args[1:], strict=False)
+)
+if _gpu:  # decided before JAX is imported: it picks the devices JAX starts with
+    os.environ.setdefault("JAX_PLATFORMS", "cuda")
+else:
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
-import sys  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
@@ -60,6 +72,8 @@ SIZES = {
         },
     ),
     "tiny": ("configs/tiny.yaml", {}),
+    # LWM-7B's width (32 heads of 128, MLP 11008) with 4 layers: 1.14B parameters
+    "7b-4l": ("configs/7b.yaml", {"num_layers": 4}),
 }
 
 
@@ -73,16 +87,19 @@ def bench_one(
     peak: float,
     dataset: str | None = None,
     read_threads: int = 2,
+    kernel: str = "xla",
+    remat: str = "nothing_saveable",
 ):
     path, overrides = SIZES[size]
     cfg = load_config(path).model.model_copy(
         update={
             **overrides,
             "attention": attention,
+            "attention_kernel": kernel,
             "max_seq_len": seq,
             "block_q": 512,
             "block_k": 512,
-            "remat_policy": "nothing_saveable",
+            "remat_policy": remat,
         }
     )
     model = create_model(cfg, mesh=mesh)
@@ -155,6 +172,9 @@ def bench_one(
         "size": size,
         "params": param_counts(cfg).total,
         "attention": attention,
+        "kernel": kernel,
+        "dtype": cfg.dtype,
+        "remat": remat,
         "seq": seq,
         "batch": batch,
         "mesh": dict(mesh.shape),
@@ -178,14 +198,37 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dataset", help="read every step's batch from this token dataset")
     p.add_argument("--read-threads", type=int, default=2, help="grain threads (0: no grain)")
+    p.add_argument("--platform", choices=("cpu", "gpu"), default="cpu")
+    p.add_argument("--kernels", default="xla", help="attention block kernels, e.g. xla,cudnn")
+    p.add_argument("--remat", default="nothing_saveable", help="model.remat_policy")
+    p.add_argument("--cudnn-piece", type=int, help="lwm.attention.cudnn.PIECE (default 4096)")
     args = p.parse_args()
+    if args.cudnn_piece:
+        import lwm.attention.cudnn
+
+        lwm.attention.cudnn.PIECE = args.cudnn_piece
+    if args.platform == "gpu" and args.mesh == "1,1,8,1":
+        args.mesh = f"1,1,{jax.device_count()},1"
     mesh = make_mesh(args.mesh)
-    peak = measure_peak_flops(jax.devices()) * jax.device_count()
-    print(json.dumps({"bench": "peak_matmul", "flops_per_s_all_devices": round(peak)}), flush=True)
+    dtypes = {load_config(SIZES[s][0]).model.dtype for s in args.sizes.split(",")}
+    peaks = {}
+    for dtype in sorted(dtypes):
+        peaks[dtype] = measure_peak_flops(jax.devices(), dtype) * jax.device_count()
+        line = {
+            "bench": "peak_matmul",
+            "dtype": dtype,
+            "flops_per_s_all_devices": round(peaks[dtype]),
+        }
+        print(json.dumps(line), flush=True)
+    print(json.dumps({"bench": "devices", "devices": [str(d) for d in jax.devices()]}), flush=True)
+    runs = [(a, k) for a in args.attention.split(",") for k in args.kernels.split(",")]
     for size in args.sizes.split(","):
+        peak = peaks[load_config(SIZES[size][0]).model.dtype]
         for seq in (int(s) for s in args.seqs.split(",")):
             row = {}
-            for attention in args.attention.split(","):
+            for attention, kernel in runs:
+                if attention == "dense" and kernel != runs[0][1]:
+                    continue  # dense attention has no block kernel
                 try:
                     rec = bench_one(
                         size,
@@ -197,6 +240,8 @@ def main() -> int:
                         peak,
                         args.dataset,
                         args.read_threads,
+                        kernel,
+                        args.remat,
                     )
                 except Exception as e:  # e.g. out of memory for dense at long sequences
                     rec = {
@@ -204,9 +249,10 @@ def main() -> int:
                         "size": size,
                         "seq": seq,
                         "attention": attention,
-                        "status": f"failed: {type(e).__name__}",
+                        "kernel": kernel,
+                        "status": f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}",
                     }
-                row[attention] = rec
+                row.setdefault(attention, rec)
                 print(json.dumps(rec), flush=True)
             if (
                 "ring" in row

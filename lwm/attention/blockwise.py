@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from lwm.attention import blocks, pallas
+from lwm.attention import blocks, cudnn, pallas
 from lwm.attention._common import (
     check_qkv,
     check_segments,
@@ -157,19 +157,27 @@ def _core_bwd(spec, axis_name, res, dout):
 attention_core.defvjp(_core_fwd, _core_bwd)
 
 
-KERNELS = ("xla", "pallas", "auto")
+KERNELS = ("xla", "pallas", "cudnn", "auto")
+_HOME = {"pallas": "tpu", "cudnn": "gpu"}  # where a kernel runs natively
 
 
 def resolve_kernel(kernel: str, platform: str | None = None) -> tuple[str, bool]:
-    """The block kernel to run (``"xla"`` or ``"pallas"``) and whether Pallas must interpret
-    (off a TPU), for ``kernel`` in `KERNELS` on ``platform`` (default: JAX's backend).
-    ``auto`` is Pallas on TPUs and XLA elsewhere."""
+    """The block kernel to run (``"xla"``, ``"pallas"`` or ``"cudnn"``) and whether it must be
+    emulated (Pallas in interpret mode off a TPU, cuDNN's kernels by a dense float32 stand-in
+    off a GPU), for ``kernel`` in `KERNELS` on ``platform`` (default: JAX's backend). ``auto``
+    is Pallas on TPUs, cuDNN on GPUs and XLA elsewhere."""
     if kernel not in KERNELS:
         raise ValueError(f"unknown attention kernel '{kernel}'; choose one of {', '.join(KERNELS)}")
     platform = platform or jax.default_backend()
     if kernel == "auto":
-        kernel = "pallas" if platform == "tpu" else "xla"
-    return kernel, kernel == "pallas" and platform != "tpu"
+        kernel = {"tpu": "pallas", "gpu": "cudnn"}.get(platform, "xla")
+    home = _HOME.get(kernel)
+    return kernel, home is not None and platform != home
+
+
+def core_for(spec: Spec):
+    """The custom-VJP attention core of the spec's kernel (same arguments for each)."""
+    return cudnn.attention_core if spec.kernel == "cudnn" else attention_core
 
 
 def prepare_inputs(
@@ -193,6 +201,11 @@ def prepare_inputs(
     attention: lengths are what one kernel call sees)."""
     kernel, interpret = resolve_kernel(kernel, platform)
     check_qkv(q, k, v)
+    if kernel == "cudnn" and not interpret:
+        reason = cudnn.unsupported(q, k)
+        if reason:
+            cudnn.log_fallback(reason)
+            kernel = "xla"
     check_segments(q_segment_ids, kv_segment_ids)
     b, sq, _, d = q.shape
     sk = k.shape[1]
@@ -245,7 +258,8 @@ def blockwise_attention(
     """Memory-efficient attention on one device; same semantics as `dense_attention`.
 
     Sequence lengths need not be multiples of the blocks (inputs are padded internally).
-    ``kernel``: the block kernel, ``xla``, ``pallas`` (interpreted off a TPU) or ``auto``.
+    ``kernel``: the block kernel, ``xla``, ``pallas`` (interpreted off a TPU), ``cudnn``
+    (emulated off a GPU) or ``auto``.
     """
     args, spec = prepare_inputs(
         q,
@@ -262,7 +276,7 @@ def blockwise_attention(
         precision=precision,
         kernel=kernel,
     )
-    return attention_core(*args, spec, None)
+    return core_for(spec)(*args, spec, None)
 
 
 def attention_flops(

@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from lwm.attention._common import check_qkv, default_positions
-from lwm.attention.blockwise import attention_core, prepare_inputs, resolve_kernel
+from lwm.attention.blockwise import core_for, prepare_inputs, resolve_kernel
 from lwm.attention.layout import ring_block_size
 from lwm.base.mesh import BATCH_AXES, SEQUENCE_AXIS
 
@@ -75,7 +75,7 @@ def ring_attention_local(
         kernel=kernel,
         platform=platform,
     )
-    return attention_core(*args, spec, axis_name)
+    return core_for(spec)(*args, spec, axis_name)
 
 
 def _present(mesh: Mesh, axes: str | Sequence[str] | None):
@@ -122,12 +122,13 @@ def ring_attention(
     plain blockwise attention on each batch/head shard), batch over ``batch_axes``,
     heads over ``head_axis`` (axes missing from the mesh are ignored). Same semantics as
     `dense_attention` on the same (possibly permuted) token order. ``kernel``: the block
-    kernel, ``xla``, ``pallas`` (interpreted unless the mesh is of TPUs) or ``auto``."""
+    kernel, ``xla``, ``pallas`` (interpreted unless the mesh is of TPUs), ``cudnn`` (emulated
+    unless it is of NVIDIA GPUs) or ``auto``."""
     check_qkv(q, k, v)
     platform = mesh.devices.flat[0].platform
     # An unknown kernel fails here, before tracing. Pallas's interpreter cannot yet evaluate
     # kernels on values that vary over manual mesh axes: it runs unchecked.
-    interpret = resolve_kernel(kernel, platform)[1]
+    resolved, interpret = resolve_kernel(kernel, platform)
     if axis_name is not None and axis_name not in mesh.axis_names:
         raise ValueError(
             f"ring attention axis '{axis_name}' is not in the mesh axes {mesh.axis_names}"
@@ -180,6 +181,10 @@ def ring_attention(
         args += [q_segment_ids, kv_segment_ids]
         specs += [t_spec, t_spec]
     fn = jax.shard_map(
-        local, mesh=mesh, in_specs=tuple(specs), out_specs=x_spec, check_vma=not interpret
+        local,
+        mesh=mesh,
+        in_specs=tuple(specs),
+        out_specs=x_spec,
+        check_vma=not (interpret and resolved == "pallas"),
     )
     return fn(*args)

@@ -1,5 +1,6 @@
-"""Describe a config without building the model: the resolved config, parameter counts,
-FLOPs per token and per-device bytes of parameters and AdamW state on the config's mesh.
+"""Describe a config without building the model: the devices JAX sees (and the attention
+kernel the config runs on them), the resolved config, parameter counts, FLOPs per token and
+per-device bytes of parameters and AdamW state on the config's mesh.
 
   lwm info configs/7b.yaml
   lwm info configs/7b_1m.yaml mesh.shape=1,-1,32,1 --devices 256
@@ -38,11 +39,28 @@ def run(args: argparse.Namespace) -> int:
     if args.devices is None:
         mesh = make_mesh(config.mesh.shape)
         axis_sizes, num_devices = dict(mesh.shape), mesh.size
+        print(describe_devices(config))
     else:
         axis_sizes = mesh_axis_sizes(parse_mesh_shape(config.mesh.shape, args.devices))
         num_devices = args.devices
     print(format_info(config, args.config, axis_sizes, num_devices))
     return 0
+
+
+def describe_devices(config: Config) -> str:
+    """One line: the devices JAX sees, and the attention block kernel the config runs there."""
+    import jax
+
+    from lwm.attention.blockwise import resolve_kernel
+
+    devices = jax.devices()
+    kinds = sorted({d.device_kind for d in devices})
+    kernel, emulated = resolve_kernel(config.model.attention_kernel, devices[0].platform)
+    how = " (emulated)" if emulated else ""
+    return (
+        f"# devices: {len(devices)} x {', '.join(kinds)} ({devices[0].platform}, jax "
+        f"{jax.__version__}); attention_kernel {config.model.attention_kernel} -> {kernel}{how}"
+    )
 
 
 def format_info(config: Config, source: str, axis_sizes: dict[str, int], num_devices: int) -> str:

@@ -1,0 +1,436 @@
+"""cuDNN's fused flash attention as the block kernel of blockwise and ring attention
+(``model.attention_kernel: cudnn``; ``auto`` picks it on NVIDIA GPUs).
+
+cuDNN masks by index (causal or nothing), while our masks come from positions and segment ids.
+So the local shard is cut into pieces (its two zigzag halves under ring attention, cut further
+into pieces of at most `PIECE` tokens) and each (query piece, key piece) pair of a ring step is classified at run time from
+its positions and segment ids (`pair_kind`):
+
+- ``DEAD``: nothing visible, skipped;
+- ``FULL``: everything visible: one cuDNN call without a mask;
+- ``CAUSAL``: the same contiguous run of positions on both sides, within one document (the
+  zigzag layout's diagonal pairs): one cuDNN call with its causal mask;
+- ``GENERAL``: anything else (several documents packed into the pair, or positions cuDNN's
+  index mask cannot express): the XLA block kernel (`lwm.attention.blocks`) on the pair.
+
+So the result equals `dense_attention` for any positions and segment ids, and a row whose
+documents are longer than a piece (long-context training) runs on cuDNN throughout; rows packed
+with short documents fall back pair by pair. The pairs' outputs are combined with their
+float32 log-sum-exps, as the ring combines chunks.
+
+Backward: JAX's own cuDNN rule is for one call; it drops the log-sum-exp's cotangent, so autodiff
+through the combine would be wrong. This module has its own VJP (as ring-flash-attention does
+with flash-attn): every live pair calls cuDNN's backward kernel with the **global** output and
+log-sum-exp of its queries, which makes each pair's dQ, dK, dV exact parts of the total; dK and
+dV travel around the ring with their chunk, as in `lwm.attention.blockwise`.
+
+The forward and backward kernels are reached through ``jax._src.cudnn.fused_attention_stablehlo``
+(private: `dot_product_attention(..., return_residual=True)` for the float32 statistics, which
+the public `jax.nn.dot_product_attention` rounds to the input dtype, and the backward
+primitive, which the public API only reaches through its own VJP). Off a GPU, or with
+``emulate``, both kernels are replaced by a dense float32 computation with cuDNN's conventions
+(output in the input dtype, log-sum-exp ``[batch, heads, q]`` in float32): how the tests check
+everything around the kernels on a CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from lwm.attention import blocks
+from lwm.attention._common import DEAD, FULL, block_kind, full, union_vma
+from lwm.attention.blocks import F32, Spec
+
+log = logging.getLogger(__name__)
+
+CAUSAL, GENERAL = 3, 4  # pair kinds besides DEAD (0) and FULL (2)
+DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+# -- what cuDNN takes --------------------------------------------------------------------------
+
+
+def unsupported(q: jax.Array, k: jax.Array) -> str | None:
+    """Why cuDNN's flash attention cannot run these inputs on this GPU, or None if it can."""
+    if q.dtype not in DTYPES:
+        return f"dtype {q.dtype} (cuDNN's flash attention takes bfloat16 or float16)"
+    d = q.shape[-1]
+    if d % 8 or d > 256:
+        return f"head_dim {d} (cuDNN needs a multiple of 8, at most 128 before Hopper, 256 on)"
+    if k.dtype != q.dtype:
+        return f"keys in {k.dtype} and queries in {q.dtype}"
+    try:
+        from jax._src.cudnn import fused_attention_stablehlo as fa
+
+        version = fa.check_cudnn_version()
+        if d > 128 and not fa.check_compute_capability("9.0"):
+            return f"head_dim {d} before Hopper"
+    except Exception as e:  # no cuDNN in this jaxlib, or not a CUDA backend
+        return f"cuDNN is not available ({e})"
+    if version < 8904:
+        return f"cuDNN {version} (flash attention needs 8.9.4 or later)"
+    return None
+
+
+_logged: set[str] = set()
+
+
+def log_fallback(reason: str) -> None:
+    """One log line per reason: the XLA block kernel runs instead of cuDNN."""
+    if reason not in _logged:
+        _logged.add(reason)
+        log.warning("attention_kernel cudnn: falling back to the XLA block kernel for %s", reason)
+
+
+# -- the two kernels: cuDNN's, or a dense float32 stand-in with its conventions ----------------
+
+
+def _cudnn_fwd(q, k, v, causal: bool, scale: float):
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+
+    mask = fa.MaskType.CAUSAL if causal else fa.MaskType.NO_MASK
+    out, lse = fa.dot_product_attention(
+        q, k, v, scale=scale, mask_type=mask, qkv_layout="BTNH", return_residual=True
+    )
+    return out, lse
+
+
+def _cudnn_bwd(q, k, v, out, lse, dout, causal: bool, scale: float):
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+
+    mask = fa.MaskType.CAUSAL if causal else fa.MaskType.NO_MASK
+    unused = jnp.zeros(0, q.dtype)
+    dq, dk, dv = fa._dot_product_attention_bwd_p_wrapper.bind(
+        q, k, v, *([unused] * 7), lse, out, dout,
+        scale=scale, seed=42, dropout_rate=0.0, variadic_args=(False, False), mask_type=mask,
+        layout=fa.AttentionLayout.BTNH.value, sliding_window_length=None,
+    )  # fmt: skip
+    return dq, dk, dv
+
+
+def _emulated_probs(q, k, causal: bool, scale: float):
+    b, t, h, d = q.shape
+    kvh = k.shape[2]
+    qf = q.astype(F32).reshape(b, t, kvh, h // kvh, d)
+    s = jnp.einsum("btkgd,bskd->bkgts", qf, k.astype(F32)) * scale
+    if causal:
+        s = jnp.where(jnp.tril(jnp.ones((t, k.shape[1]), bool)), s, -jnp.inf)
+    return s
+
+
+def _emulated_fwd(q, k, v, causal: bool, scale: float):
+    b, t, h, d = q.shape
+    s = _emulated_probs(q, k, causal, scale)
+    lse = jax.nn.logsumexp(s, axis=-1)  # [b, kvh, g, t]
+    p = jnp.exp(s - lse[..., None])
+    out = jnp.einsum("bkgts,bskd->btkgd", p, v.astype(F32)).reshape(b, t, h, d)
+    return out.astype(q.dtype), lse.reshape(b, h, t)
+
+
+def _emulated_bwd(q, k, v, out, lse, dout, causal: bool, scale: float):
+    b, t, h, d = q.shape
+    kvh = k.shape[2]
+    g = h // kvh
+    s = _emulated_probs(q, k, causal, scale)
+    p = jnp.exp(s - lse.reshape(b, kvh, g, t)[..., None])
+    do = dout.astype(F32).reshape(b, t, kvh, g, d)
+    delta = jnp.sum(do * out.astype(F32).reshape(b, t, kvh, g, d), axis=-1)  # [b, t, kvh, g]
+    dp = jnp.einsum("btkgd,bskd->bkgts", do, v.astype(F32))
+    ds = p * (dp - delta.transpose(0, 2, 3, 1)[..., None]) * scale
+    dq = jnp.einsum("bkgts,bskd->btkgd", ds, k.astype(F32)).reshape(b, t, h, d)
+    qf = q.astype(F32).reshape(b, t, kvh, g, d)
+    dk = jnp.einsum("bkgts,btkgd->bskd", ds, qf)
+    dv = jnp.einsum("bkgts,btkgd->bskd", p, do)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+def _kernels(spec: Spec):
+    return (_emulated_fwd, _emulated_bwd) if spec.interpret else (_cudnn_fwd, _cudnn_bwd)
+
+
+# -- which pairs go to cuDNN ------------------------------------------------------------------
+
+
+def _contiguous(pos: jax.Array) -> jax.Array:
+    return jnp.all(pos == pos[:, :1] + jnp.arange(pos.shape[1], dtype=pos.dtype))
+
+
+def _one_segment(seg: jax.Array | None) -> jax.Array | bool:
+    return True if seg is None else jnp.all(seg == seg[:, :1])
+
+
+def pair_kind(qp, qsg, kp, ksg, causal: bool):
+    """How a (query piece, key piece) pair is computed: `DEAD`, `FULL`, `CAUSAL` or `GENERAL`
+    (see the module docstring), as an int32 scalar (or a Python `FULL` when nothing can be
+    masked). Positions ``[batch, len]``, segment ids the same or None."""
+    kind = block_kind(qp, kp, qsg, ksg, causal)
+    if kind is FULL:
+        return FULL
+    if causal and qp.shape[1] == kp.shape[1]:
+        same_doc = _one_segment(qsg) & _one_segment(ksg)
+        if qsg is not None:
+            same_doc = same_doc & jnp.all(qsg[:, :1] == ksg[:, :1])
+        diagonal = same_doc & _contiguous(qp) & jnp.all(qp[:, :1] == kp[:, :1]) & _contiguous(kp)
+    else:
+        diagonal = False
+    return jnp.where(
+        kind == DEAD,
+        DEAD,
+        jnp.where(kind == FULL, FULL, jnp.where(diagonal, CAUSAL, GENERAL)),
+    ).astype(jnp.int32)
+
+
+def _switch(kind, dead, causal, full_, general, *operands):
+    if kind is FULL:
+        return full_(*operands)
+    index = jnp.select([kind == DEAD, kind == CAUSAL, kind == FULL], [0, 1, 2], default=3).astype(
+        jnp.int32
+    )
+    return lax.switch(index, [dead, causal, full_, general], *operands)
+
+
+# -- one pair: forward and backward ------------------------------------------------------------
+
+
+def _lse_to_blocks(lse: jax.Array, kvh: int, block: int) -> jax.Array:
+    """``[b, h, t]`` -> ``[nq, b, kvh, g, bq]`` (zero-padded), the XLA kernel's layout."""
+    b, h, t = lse.shape
+    n = -(-t // block)
+    lse = jnp.pad(lse, ((0, 0), (0, 0), (0, n * block - t)))
+    return lse.reshape(b, kvh, h // kvh, n, block).transpose(3, 0, 1, 2, 4)
+
+
+def _xla_pair_fwd(q, k, v, qp, qsg, kp, ksg, spec: Spec, vma):
+    kvh = k.shape[2]
+    qs = blocks.split_q(q, qp, qsg, kvh, spec.block_q)
+    kv = blocks.split_kv(k, v, kp, ksg, spec.block_k)
+    stats = blocks.fwd_chunk(qs, kv, blocks.init_stats(qs, vma), spec)
+    out, lse = blocks.finalize_stats(stats)  # lse +inf where a row sees nothing
+    b, t, h, _ = q.shape
+    lse = lse.transpose(1, 2, 3, 0, 4).reshape(b, h, -1)[:, :, :t]
+    return blocks.merge_q(out, t), jnp.where(jnp.isposinf(lse), -jnp.inf, lse)
+
+
+def _xla_pair_bwd(q, k, v, out, lse, dout, qp, qsg, kp, ksg, spec: Spec, vma):
+    kvh = k.shape[2]
+    qs = blocks.split_q(q, qp, qsg, kvh, spec.block_q)
+    kv = blocks.split_kv(k, v, kp, ksg, spec.block_k)
+    do = blocks.blocks_q(dout, kvh, spec.block_q)
+    rows = jnp.sum(dout.astype(F32) * out.astype(F32), axis=-1, keepdims=True)
+    delta = blocks.blocks_q(rows, kvh, spec.block_q)[..., 0]
+    lse_b = _lse_to_blocks(jnp.where(jnp.isneginf(lse), jnp.inf, lse), kvh, spec.block_q)
+    grads = (
+        full(qs.q.shape, 0.0, F32, vma),
+        full(kv.k.shape, 0.0, F32, vma),
+        full(kv.k.shape, 0.0, F32, vma),
+    )
+    dq, dk, dv = blocks.bwd_chunk(qs, do, lse_b, delta, kv, grads, spec)
+    t, s = q.shape[1], k.shape[1]
+    return blocks.merge_q(dq, t), blocks.merge_kv(dk, s), blocks.merge_kv(dv, s)
+
+
+def _pair_fwd(q, k, v, qp, qsg, kp, ksg, spec: Spec, vma):
+    """Output (float32 ``[b, t, h, d]``) and log-sum-exp (``[b, h, t]``, -inf where nothing is
+    visible) of one pair."""
+    fwd, _ = _kernels(spec)
+    b, t, h, d = q.shape
+
+    def dead(*_):
+        return full((b, t, h, d), 0.0, F32, vma), full((b, h, t), -jnp.inf, F32, vma)
+
+    def on_cudnn(causal):
+        def run(q, k, v, *_):
+            out, lse = fwd(q, k, v, causal, spec.scale)
+            return out.astype(F32), lse.astype(F32)
+
+        return run
+
+    def general(q, k, v, qp, qsg, kp, ksg):
+        return _xla_pair_fwd(q, k, v, qp, qsg, kp, ksg, spec, vma)
+
+    kind = pair_kind(qp, qsg, kp, ksg, spec.causal)
+    return _switch(kind, dead, on_cudnn(True), on_cudnn(False), general, q, k, v, qp, qsg, kp, ksg)
+
+
+def _pair_bwd(q, k, v, out, lse, dout, qp, qsg, kp, ksg, spec: Spec, vma):
+    """This pair's parts of dQ, dK, dV (float32), from the global output and log-sum-exp."""
+    _, bwd = _kernels(spec)
+
+    def dead(q, k, *_):
+        return (
+            full(q.shape, 0.0, F32, vma),
+            full(k.shape, 0.0, F32, vma),
+            full(k.shape, 0.0, F32, vma),
+        )
+
+    def on_cudnn(causal):
+        def run(q, k, v, out, lse, dout, *_):
+            grads = bwd(q, k, v, out, lse, dout, causal, spec.scale)
+            return tuple(g.astype(F32) for g in grads)
+
+        return run
+
+    def general(q, k, v, out, lse, dout, qp, qsg, kp, ksg):
+        return _xla_pair_bwd(q, k, v, out, lse, dout, qp, qsg, kp, ksg, spec, vma)
+
+    kind = pair_kind(qp, qsg, kp, ksg, spec.causal)
+    operands = (q, k, v, out, lse, dout, qp, qsg, kp, ksg)
+    return _switch(kind, dead, on_cudnn(True), on_cudnn(False), general, *operands)
+
+
+# -- the driver: pieces, ring steps, custom VJP ------------------------------------------------
+
+
+def _piece(x: jax.Array | None, i, size: int, axis: int = 1) -> jax.Array | None:
+    """Piece ``i`` (traced) of ``size`` tokens along ``axis``; None stays None."""
+    return None if x is None else lax.dynamic_slice_in_dim(x, i * size, size, axis=axis)
+
+
+def _add_piece(acc: jax.Array, i, part: jax.Array, axis: int = 1) -> jax.Array:
+    size = part.shape[axis]
+    return lax.dynamic_update_slice_in_dim(acc, _piece(acc, i, size, axis) + part, i * size, axis)
+
+
+PIECE = 4096  # the longest piece of a shard that one cuDNN call takes (see `_num_pieces`)
+
+
+def _num_pieces(axis_name: str | None, q_len: int, kv_len: int) -> int:
+    """Pieces per shard: its two zigzag halves under ring attention (one piece on one device),
+    cut further until a piece is at most `PIECE` tokens, so that in rows packed with documents
+    only the pairs that hold a document boundary fall back to the XLA kernel. Long enough
+    pieces keep each cuDNN call large (a 4K x 4K pair is about 0.3 TFLOP at 32 heads of 128)."""
+    ring = axis_name is not None and lax.axis_size(axis_name) > 1
+    base = 2 if ring and q_len % 2 == 0 and kv_len % 2 == 0 else 1
+    m = base
+    while q_len // m > PIECE and q_len % (2 * m) == 0 and kv_len % (2 * m) == 0:
+        m *= 2
+    return m
+
+
+def _merge(out, lse, out2, lse2):
+    new = jnp.logaddexp(lse, lse2)
+    safe = jnp.where(jnp.isneginf(new), 0.0, new)
+
+    def weight(x):
+        return jnp.exp(x - safe).transpose(0, 2, 1)[..., None]  # [b, t, h, 1]
+
+    return out * weight(lse) + out2 * weight(lse2), new
+
+
+def _send(tree, axis_name: str, n: int):
+    perm = [(i, (i + 1) % n) for i in range(n)]
+    return jax.tree.map(lambda x: lax.ppermute(x, axis_name, perm), tree)
+
+
+def _forward(q, k, v, qp, kp, qsg, ksg, spec: Spec, axis_name):
+    vma = union_vma((q, k, v, qp, kp, qsg, ksg))
+    n = 1 if axis_name is None else lax.axis_size(axis_name)
+    m = _num_pieces(axis_name, q.shape[1], k.shape[1])
+    b, sq, h, d = q.shape
+    t, s = sq // m, k.shape[1] // m
+    acc = (full((b, sq, h, d), 0.0, F32, vma), full((b, h, sq), -jnp.inf, F32, vma))
+
+    def fold(kv, acc):
+        kc, vc, kpc, ksgc = kv
+
+        def q_step(i, acc):
+            qi, qpi, qsgi = _piece(q, i, t), _piece(qp, i, t), _piece(qsg, i, t)
+
+            def k_step(j, carry):
+                kvj = (_piece(kc, j, s), _piece(vc, j, s), _piece(kpc, j, s), _piece(ksgc, j, s))
+                pair = _pair_fwd(qi, kvj[0], kvj[1], qpi, qsgi, kvj[2], kvj[3], spec, vma)
+                return _merge(*carry, *pair)
+
+            carry = (_piece(acc[0], i, t), _piece(acc[1], i, t, axis=2))
+            out, lse = lax.fori_loop(0, m, k_step, carry)
+            return (
+                lax.dynamic_update_slice_in_dim(acc[0], out, i * t, axis=1),
+                lax.dynamic_update_slice_in_dim(acc[1], lse, i * t, axis=2),
+            )
+
+        return lax.fori_loop(0, m, q_step, acc)
+
+    kv = (k, v, kp, ksg)
+    if n > 1:
+
+        def step(carry, _):
+            kv, acc = carry
+            incoming = _send(kv, axis_name, n)
+            return (incoming, fold(kv, acc)), None
+
+        (kv, acc), _ = lax.scan(step, (kv, acc), None, length=n - 1)
+    out, lse = fold(kv, acc)
+    return out.astype(q.dtype), lse
+
+
+def _backward(res, dout, spec: Spec, axis_name):
+    q, k, v, qp, kp, qsg, ksg, out, lse = res
+    vma = union_vma(jax.tree.leaves(res))
+    n = 1 if axis_name is None else lax.axis_size(axis_name)
+    m = _num_pieces(axis_name, q.shape[1], k.shape[1])
+    t, s = q.shape[1] // m, k.shape[1] // m
+
+    def fold(kv, dq, dk, dv):
+        kc, vc, kpc, ksgc = kv
+
+        def q_step(i, grads):
+            dq, dk, dv = grads
+            qi = tuple(_piece(x, i, t) for x in (q, qp, qsg, out, dout))
+            lse_i = _piece(lse, i, t, axis=2)
+
+            def k_step(j, carry):
+                dq_i, dk, dv = carry
+                kj, vj, kpj, ksgj = (_piece(x, j, s) for x in (kc, vc, kpc, ksgc))
+                gq, gk, gv = _pair_bwd(
+                    qi[0], kj, vj, qi[3], lse_i, qi[4], qi[1], qi[2], kpj, ksgj, spec, vma
+                )
+                return dq_i + gq, _add_piece(dk, j, gk), _add_piece(dv, j, gv)
+
+            dq_i, dk, dv = lax.fori_loop(0, m, k_step, (_piece(dq, i, t), dk, dv))
+            return lax.dynamic_update_slice_in_dim(dq, dq_i, i * t, axis=1), dk, dv
+
+        return lax.fori_loop(0, m, q_step, (dq, dk, dv))
+
+    dq = full(q.shape, 0.0, F32, vma)
+    zeros_kv = full(k.shape, 0.0, F32, vma)
+    kv = (k, v, kp, ksg)
+    if n > 1:
+
+        def step(carry, _):
+            kv, dq, dk, dv = carry
+            incoming = _send(kv, axis_name, n)
+            dq, dk, dv = fold(kv, dq, dk, dv)
+            return (incoming, dq, *_send((dk, dv), axis_name, n)), None
+
+        (kv, dq, dk, dv), _ = lax.scan(step, (kv, dq, zeros_kv, zeros_kv), None, length=n - 1)
+        dq, dk, dv = fold(kv, dq, dk, dv)
+        dk, dv = _send((dk, dv), axis_name, n)
+    else:
+        dq, dk, dv = fold(kv, dq, zeros_kv, zeros_kv)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def attention_core(q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec: Spec, axis_name: str | None):
+    """`lwm.attention.blockwise.attention_core` with cuDNN's kernels (same arguments)."""
+    return _forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec, axis_name)[0]
+
+
+def _core_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec, axis_name):
+    out, lse = _forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec, axis_name)
+    return out, (q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse)
+
+
+def _core_bwd(spec, axis_name, res, dout):
+    dq, dk, dv = _backward(res, dout, spec, axis_name)
+    return dq, dk, dv, None, None, None, None
+
+
+attention_core.defvjp(_core_fwd, _core_bwd)
+
+__all__ = ["CAUSAL", "DEAD", "FULL", "GENERAL", "attention_core", "pair_kind"]

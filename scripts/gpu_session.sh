@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The NVIDIA GPU checks of issue 16 (cuDNN block kernel, GPU train step), prepared to run on
+# the lent H200 through the device tool in two calls of a few minutes each. That machine has
+# JAX with CUDA, flax, optax and orbax but not pydantic, tensorboardX or ringattention: they
+# travel as wheels. Here, first (pip works here, not there):
+#
+#   echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+#       --implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+#       -d .whl pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
+#       typing-inspection==0.4.5 tensorboardX==2.6.5 ringattention==0.1.2
+#
+# then run, with carry [".whl"] and timeout_s 540:
+#
+#   bash scripts/gpu_session.sh attention   # parity tests, bench_attention (about 4 minutes)
+#   bash scripts/gpu_session.sh train       # bench_train 8K/32K/128K, lwm train tiny (about 5)
+#
+# Every step writes its log under $OUT (what comes back); the last lines of each are printed.
+set -uo pipefail
+part=${1:?usage: gpu_session.sh attention|train}
+out=${OUT:-/tmp/gpu_session}
+mkdir -p "$out"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda
+
+step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $out/NAME.log
+    local name=$1 limit=$2
+    shift 2
+    local t0=$SECONDS
+    timeout "$limit" "$@" >"$out/$name.log" 2>&1
+    echo "== $name: rc=$? in $((SECONDS - t0)) s"
+    tail -n 4 "$out/$name.log" | cut -c1-400
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
+case $part in
+attention)
+    step info 60 python3 -m lwm info configs/tiny.yaml model.attention_kernel=auto
+    step parity 200 python3 -m pytest -q -p no:cacheprovider tests/test_cudnn_attention.py -k gpu
+    step bench_attention 300 python3 scripts/bench_attention.py --platform gpu \
+        --seqs 8192,32768 --check --check-seq 4096 --check-block 512 --repeats 5
+    step bench_attention_piece16k 120 python3 scripts/bench_attention.py --platform gpu \
+        --seqs 32768 --modes fwd_bwd --impls ours-cudnn,cudnn --cudnn-piece 16384 --repeats 5
+    ;;
+train)
+    step bench_train 330 python3 scripts/bench_train.py --platform gpu --sizes 7b-4l \
+        --seqs 8192,32768 --attention blockwise --kernels xla,cudnn --repeats 5
+    step bench_train_128k 150 python3 scripts/bench_train.py --platform gpu --sizes 7b-4l \
+        --seqs 131072 --attention blockwise --kernels cudnn --repeats 2
+    step tiny 60 python3 -m lwm train --config configs/tiny.yaml train.steps=30 \
+        train.output_dir=/tmp/tiny model.dtype=bfloat16 model.attention_kernel=auto
+    ;;
+*)
+    echo "unknown part $part" >&2
+    exit 2
+    ;;
+esac

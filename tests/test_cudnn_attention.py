@@ -1,0 +1,197 @@
+"""The cuDNN block kernel (`lwm.attention.cudnn`): everything around cuDNN's two kernels is
+checked on the CPU with their dense stand-in (same conventions); the kernels themselves only on
+an NVIDIA GPU (``JAX_PLATFORMS=cuda pytest tests/test_cudnn_attention.py -k gpu``)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_attention import (
+    assert_matches,
+    document_positions,
+    mesh_of,
+    packed_segments,
+    qkv,
+    value_and_grads,
+)
+
+import lwm.attention.cudnn as cudnn
+from lwm.attention import blockwise_attention, dense_attention, ring_attention
+from lwm.attention.blockwise import resolve_kernel
+from lwm.attention.layout import zigzag_permutation
+
+ON_GPU = jax.default_backend() == "gpu"
+
+
+@pytest.fixture
+def small_pieces(monkeypatch):
+    """Pieces of at most 8 tokens, so that short test sequences have many pairs of each kind."""
+    monkeypatch.setattr(cudnn, "PIECE", 8)
+
+
+def long_documents(b: int, s: int, cut: int) -> jax.Array:
+    """Two documents per row, the first ``cut`` tokens long: most pieces hold one document."""
+    return jnp.asarray(np.broadcast_to((np.arange(s) >= cut).astype(np.int32), (b, s)))
+
+
+@pytest.mark.parametrize("mesh_shape", [(1, 1, 8, 1), (1, 2, 2, 2), (1, 1, 1, 1)])
+@pytest.mark.parametrize("docs", ["one", "long", "packed"])
+def test_ring_with_cudnn_kernel_equals_dense(small_pieces, mesh_shape, docs):
+    """Causal, GQA (8 query heads on 2 key/value heads), zigzag layout; one document per row,
+    two long ones (pairs on cuDNN and pairs across the boundary on the XLA fallback) or four
+    short ones (positions restarting per document): output to 1e-5, gradients to 1e-4 (fp32)."""
+    sp, s = mesh_shape[2], 64
+    perm = zigzag_permutation(s, sp)
+    q, k, v = qkv(s=s)
+    if docs == "one":
+        pos = jnp.broadcast_to(jnp.asarray(perm, jnp.int32), (2, s))
+        kw = dict(q_positions=pos, kv_positions=pos)
+    else:
+        seg = long_documents(2, s, 42) if docs == "long" else packed_segments(2, s)
+        pos = document_positions(seg)[:, perm]
+        seg = seg[:, perm]
+        kw = dict(q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg)
+    mesh = mesh_of(mesh_shape)
+    assert_matches(
+        lambda q, k, v: ring_attention(
+            q, k, v, mesh=mesh, block_q=4, block_k=4, kernel="cudnn", **kw
+        ),
+        lambda q, k, v: dense_attention(q, k, v, **kw),
+        q[:, perm],
+        k[:, perm],
+        v[:, perm],
+    )
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_blockwise_cudnn_kernel_equals_dense(small_pieces, causal):
+    """One device, contiguous positions; rows that see no key (segments that match nothing)."""
+    q, k, v = qkv(s=48, h=4, kvh=2)
+    seg = jnp.concatenate([jnp.zeros((2, 32), jnp.int32), jnp.ones((2, 16), jnp.int32)], 1)
+    kw = dict(causal=causal, q_segment_ids=seg, kv_segment_ids=seg.at[:, 32:].set(5))
+
+    def fn(q, k, v):
+        return blockwise_attention(q, k, v, block_q=8, block_k=8, kernel="cudnn", **kw)
+
+    assert_matches(fn, lambda q, k, v: dense_attention(q, k, v, **kw), q, k, v)
+    assert_matches(
+        lambda q, k, v: blockwise_attention(q, k, v, kernel="cudnn", causal=causal),
+        lambda q, k, v: dense_attention(q, k, v, causal=causal),
+        q,
+        k,
+        v,
+    )
+
+
+def kinds_of_ring(s: int, sp: int, seg: np.ndarray | None) -> set[int]:
+    """Every pair kind the ring computes for one row in the zigzag layout (PIECE = 8)."""
+    perm = zigzag_permutation(s, sp)
+    seg_row = None if seg is None else np.asarray(seg)[perm]
+    pos_row = perm if seg is None else np.asarray(document_positions(seg[None]))[0][perm]
+    shard = s // sp
+    m = 2
+    while shard // m > cudnn.PIECE:
+        m *= 2
+    t = shard // m
+    kinds = set()
+    for qi in range(sp * m):
+        for ki in range(sp * m):
+            qs, ks = slice(qi * t, (qi + 1) * t), slice(ki * t, (ki + 1) * t)
+
+            def part(x, sl):
+                return None if x is None else jnp.asarray(x[sl])[None]
+
+            kind = cudnn.pair_kind(
+                part(pos_row, qs), part(seg_row, qs), part(pos_row, ks), part(seg_row, ks), True
+            )
+            kinds.add(int(kind))
+    return kinds
+
+
+def test_one_document_per_row_runs_every_pair_on_cudnn(small_pieces):
+    """In the zigzag layout every pair of one document is dead, fully visible or the causal
+    diagonal: nothing falls back. With two long documents only the pairs that hold the
+    boundary do."""
+    assert kinds_of_ring(64, 4, None) == {cudnn.DEAD, cudnn.CAUSAL, cudnn.FULL}
+    assert kinds_of_ring(128, 2, None) == {cudnn.DEAD, cudnn.CAUSAL, cudnn.FULL}
+    two = np.asarray(long_documents(1, 64, 42))[0]
+    assert kinds_of_ring(64, 4, two) == {cudnn.DEAD, cudnn.CAUSAL, cudnn.FULL, cudnn.GENERAL}
+    # Positions that are not one contiguous run (a striped layout's) are never sent to cuDNN's
+    # index mask.
+    pos = jnp.asarray([[0, 2, 4, 6]])
+    assert int(cudnn.pair_kind(pos, None, pos, None, True)) == cudnn.GENERAL
+
+
+def test_kernel_choice_per_platform():
+    assert resolve_kernel("auto", "gpu") == ("cudnn", False)
+    assert resolve_kernel("auto", "tpu") == ("pallas", False)
+    assert resolve_kernel("auto", "cpu") == ("xla", False)
+    assert resolve_kernel("cudnn", "cpu") == ("cudnn", True)  # emulated off a GPU
+    assert resolve_kernel("cudnn", "gpu") == ("cudnn", False)
+    with pytest.raises(ValueError, match="choose one of xla, pallas, cudnn, auto"):
+        resolve_kernel("flash", "gpu")
+
+
+def test_what_cudnn_refuses_is_named():
+    q, k, _ = qkv(d=16)
+    assert "dtype float32" in cudnn.unsupported(q, k)
+    q, k, _ = qkv(d=12, dtype=jnp.bfloat16)
+    assert "head_dim 12" in cudnn.unsupported(q, k)
+
+
+# ---------------------------------------------------------------------------------------------
+# cuDNN itself: only on an NVIDIA GPU
+
+gpu = pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU (cuDNN's kernels run only there)")
+
+
+@gpu
+def test_gpu_cudnn_kernels_follow_their_stand_in():
+    """cuDNN's forward (output, float32 log-sum-exp) and backward against the dense stand-in
+    the CPU tests use, on bf16 inputs: causal and not, GQA."""
+    q, k, v = qkv(b=2, s=256, h=8, kvh=2, d=64, dtype=jnp.bfloat16)
+    dout = qkv(b=2, s=256, h=8, kvh=2, d=64, dtype=jnp.bfloat16, seed=3)[0]
+    for causal in (True, False):
+        out, lse = jax.jit(cudnn._cudnn_fwd, static_argnums=(3, 4))(q, k, v, causal, 0.125)
+        ref_out, ref_lse = cudnn._emulated_fwd(q, k, v, causal, 0.125)
+        assert lse.dtype == jnp.float32 and lse.shape == (2, 8, 256)
+        assert float(jnp.max(jnp.abs(lse - ref_lse))) < 2e-2
+        assert float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref_out.astype(jnp.float32)))) < 3e-2
+        bwd = jax.jit(cudnn._cudnn_bwd, static_argnums=(6, 7))
+        grads = bwd(q, k, v, ref_out, ref_lse, dout, causal, 0.125)
+        refs = cudnn._emulated_bwd(q, k, v, ref_out, ref_lse, dout, causal, 0.125)
+        for g, r in zip(grads, refs, strict=True):
+            r = r.astype(jnp.float32)
+            rel = float(jnp.max(jnp.abs(g.astype(jnp.float32) - r)) / jnp.max(jnp.abs(r)))
+            assert rel < 3e-2, rel
+
+
+@gpu
+@pytest.mark.parametrize("docs", ["one", "long", "packed"])
+def test_gpu_blockwise_cudnn_within_twice_dense_bfloat16(monkeypatch, docs):
+    """On one GPU, pieces of 256 tokens (every pair kind): the error of the cuDNN path
+    against float32 dense attention is at most twice that of dense attention computed in bf16,
+    forward and gradients."""
+    monkeypatch.setattr(cudnn, "PIECE", 256)
+    s = 1024
+    q32, k32, v32 = qkv(b=2, s=s, h=8, kvh=2, d=64)
+    kw = {}
+    if docs != "one":
+        seg = long_documents(2, s, 700) if docs == "long" else packed_segments(2, s)
+        pos = document_positions(seg)
+        kw = dict(q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg)
+    bf = [x.astype(jnp.bfloat16) for x in (q32, k32, v32)]
+    ref, ref_g = value_and_grads(lambda q, k, v: dense_attention(q, k, v, **kw), q32, k32, v32)
+    dense, dense_g = value_and_grads(lambda q, k, v: dense_attention(q, k, v, **kw), *bf)
+    ours, ours_g = value_and_grads(
+        lambda q, k, v: blockwise_attention(q, k, v, kernel="cudnn", **kw), *bf
+    )
+
+    def err(x, r):
+        return float(jnp.max(jnp.abs(x.astype(jnp.float32) - r)))
+
+    assert err(ours, ref) <= 2 * err(dense, ref) + 1e-3
+    for o, d, r in zip(ours_g, dense_g, ref_g, strict=True):
+        assert err(o, r) <= 2 * err(d, r) + 1e-3 * float(jnp.max(jnp.abs(r)))
