@@ -172,6 +172,11 @@ def _by_kind(kind, compute, skip, operand):
 
 
 def _mm(spec: Spec, subscripts: str, a, b):
+    if a.dtype != F32 and jax.default_backend() == "cpu":
+        # XLA's CPU runtime lacks some bf16 x bf16 -> f32 dots (the backward's dK/dV product
+        # with batch > 1 fails with "Unsupported element type for DotThunk"); bf16 -> f32 is
+        # exact and the sums are float32 either way, so the result is the same.
+        a, b = a.astype(F32), b.astype(F32)
     return jnp.einsum(subscripts, a, b, preferred_element_type=F32, precision=spec.precision)
 
 
