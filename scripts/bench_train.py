@@ -7,7 +7,7 @@ side by side in one process on 8 simulated CPU devices, or on the NVIDIA GPUs JA
     # one GPU: LWM-7B's width with 4 layers (1.14B parameters), bf16 compute, fp32 parameters,
     # blockwise attention with the XLA and the cuDNN block kernel side by side
     python scripts/bench_train.py --platform gpu --sizes 7b-4l --seqs 8192,32768 \
-        --attention blockwise --kernels xla,cudnn
+        --attention blockwise --kernels xla,cudnn --one-document
     python scripts/bench_train.py --sizes small --seqs 1024 --attention ring --batch 8 \
         --dataset runs/demo/tokens --repeats 20     # batches read from a token dataset
 
@@ -44,6 +44,7 @@ import statistics  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from data.batches import SyntheticTokenLoader  # noqa: E402
@@ -89,6 +90,7 @@ def bench_one(
     read_threads: int = 2,
     kernel: str = "xla",
     remat: str = "nothing_saveable",
+    one_document: bool = False,
 ):
     path, overrides = SIZES[size]
     cfg = load_config(path).model.model_copy(
@@ -124,6 +126,10 @@ def bench_one(
 
     def next_batch():
         local = next(loader)
+        if one_document:  # one document per row, as long-context training has
+            order = np.arange(seq) if layout is None else np.asarray(layout)
+            local["segment_ids"] = np.ones_like(local["segment_ids"])
+            local["positions"] = np.broadcast_to(order, local["positions"].shape).astype(np.int32)
         return {
             k: jax.make_array_from_process_local_data(sharding, v, (batch, seq))
             for k, v in local.items()
@@ -173,6 +179,7 @@ def bench_one(
         "params": param_counts(cfg).total,
         "attention": attention,
         "kernel": kernel,
+        "documents": "one per row" if one_document else "packed",
         "dtype": cfg.dtype,
         "remat": remat,
         "seq": seq,
@@ -202,6 +209,12 @@ def main() -> int:
     p.add_argument("--kernels", default="xla", help="attention block kernels, e.g. xla,cudnn")
     p.add_argument("--remat", default="nothing_saveable", help="model.remat_policy")
     p.add_argument("--cudnn-piece", type=int, help="lwm.attention.cudnn.PIECE (default 4096)")
+    p.add_argument(
+        "--one-document",
+        action="store_true",
+        help="one document per row (the FLOP count's full causal attention) instead of the "
+        "synthetic loader's short packed documents",
+    )
     args = p.parse_args()
     if args.cudnn_piece:
         import lwm.attention.cudnn
@@ -242,6 +255,7 @@ def main() -> int:
                         args.read_threads,
                         kernel,
                         args.remat,
+                        args.one_document,
                     )
                 except Exception as e:  # e.g. out of memory for dense at long sequences
                     rec = {

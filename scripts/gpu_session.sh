@@ -13,7 +13,7 @@
 # then run, with carry [".whl"] and timeout_s 540:
 #
 #   bash scripts/gpu_session.sh attention   # parity tests, bench_attention (about 4 minutes)
-#   bash scripts/gpu_session.sh train       # bench_train 8K/32K/128K, lwm train tiny (about 5)
+#   bash scripts/gpu_session.sh train       # bench_train 8K/32K/128K, lwm train tiny (about 6)
 #
 # Every step writes its log under $OUT (what comes back); the last lines of each are printed.
 set -uo pipefail
@@ -46,9 +46,11 @@ attention)
     ;;
 train)
     step bench_train 330 python3 scripts/bench_train.py --platform gpu --sizes 7b-4l \
-        --seqs 8192,32768 --attention blockwise --kernels xla,cudnn --repeats 5
+        --seqs 8192,32768 --attention blockwise --kernels xla,cudnn --one-document --repeats 5
+    step bench_train_packed 150 python3 scripts/bench_train.py --platform gpu --sizes 7b-4l \
+        --seqs 8192 --attention blockwise --kernels cudnn --repeats 3
     step bench_train_128k 150 python3 scripts/bench_train.py --platform gpu --sizes 7b-4l \
-        --seqs 131072 --attention blockwise --kernels cudnn --repeats 2
+        --seqs 131072 --attention blockwise --kernels cudnn --one-document --repeats 2
     step tiny 60 python3 -m lwm train --config configs/tiny.yaml train.steps=30 \
         train.output_dir=/tmp/tiny model.dtype=bfloat16 model.attention_kernel=auto
     ;;

@@ -86,18 +86,14 @@ def test_blockwise_cudnn_kernel_equals_dense(small_pieces, causal):
 
 
 def kinds_of_ring(s: int, sp: int, seg: np.ndarray | None) -> set[int]:
-    """Every pair kind the ring computes for one row in the zigzag layout (PIECE = 8)."""
+    """Every kind of the pairs of zigzag halves that the ring computes for one row."""
     perm = zigzag_permutation(s, sp)
     seg_row = None if seg is None else np.asarray(seg)[perm]
     pos_row = perm if seg is None else np.asarray(document_positions(seg[None]))[0][perm]
-    shard = s // sp
-    m = 2
-    while shard // m > cudnn.PIECE:
-        m *= 2
-    t = shard // m
+    t = s // sp // 2
     kinds = set()
-    for qi in range(sp * m):
-        for ki in range(sp * m):
+    for qi in range(sp * 2):
+        for ki in range(sp * 2):
             qs, ks = slice(qi * t, (qi + 1) * t), slice(ki * t, (ki + 1) * t)
 
             def part(x, sl):
@@ -110,14 +106,17 @@ def kinds_of_ring(s: int, sp: int, seg: np.ndarray | None) -> set[int]:
     return kinds
 
 
-def test_one_document_per_row_runs_every_pair_on_cudnn(small_pieces):
-    """In the zigzag layout every pair of one document is dead, fully visible or the causal
-    diagonal: nothing falls back. With two long documents only the pairs that hold the
-    boundary do."""
+def test_one_document_per_row_runs_every_pair_on_cudnn():
+    """In the zigzag layout every pair of halves of one document is dead, fully visible or the
+    causal diagonal: each is one cuDNN call, nothing falls back. With two long documents only
+    the pairs that hold the boundary are general (then cut into pieces); with the boundary
+    between two halves, no pair is."""
     assert kinds_of_ring(64, 4, None) == {cudnn.DEAD, cudnn.CAUSAL, cudnn.FULL}
     assert kinds_of_ring(128, 2, None) == {cudnn.DEAD, cudnn.CAUSAL, cudnn.FULL}
-    two = np.asarray(long_documents(1, 64, 42))[0]
-    assert kinds_of_ring(64, 4, two) == {cudnn.DEAD, cudnn.CAUSAL, cudnn.FULL, cudnn.GENERAL}
+    inside = np.asarray(long_documents(1, 64, 42))[0]  # halves of 8 tokens: 40..47 holds it
+    assert kinds_of_ring(64, 4, inside) == {cudnn.DEAD, cudnn.CAUSAL, cudnn.FULL, cudnn.GENERAL}
+    between = np.asarray(long_documents(1, 64, 40))[0]
+    assert kinds_of_ring(64, 4, between) == {cudnn.DEAD, cudnn.CAUSAL, cudnn.FULL}
     # Positions that are not one contiguous run (a striped layout's) are never sent to cuDNN's
     # index mask.
     pos = jnp.asarray([[0, 2, 4, 6]])

@@ -2,21 +2,23 @@
 (``model.attention_kernel: cudnn``; ``auto`` picks it on NVIDIA GPUs).
 
 cuDNN masks by index (causal or nothing), while our masks come from positions and segment ids.
-So the local shard is cut into pieces (its two zigzag halves under ring attention, cut further
-into pieces of at most `PIECE` tokens) and each (query piece, key piece) pair of a ring step is classified at run time from
-its positions and segment ids (`pair_kind`):
+So the local shard is cut into pieces (its two zigzag halves under ring attention, the whole
+shard on one device) and each (query piece, key piece) pair of a ring step is classified at
+run time from its positions and segment ids (`pair_kind`):
 
 - ``DEAD``: nothing visible, skipped;
 - ``FULL``: everything visible: one cuDNN call without a mask;
 - ``CAUSAL``: the same contiguous run of positions on both sides, within one document (the
   zigzag layout's diagonal pairs): one cuDNN call with its causal mask;
 - ``GENERAL``: anything else (several documents packed into the pair, or positions cuDNN's
-  index mask cannot express): the XLA block kernel (`lwm.attention.blocks`) on the pair.
+  index mask cannot express): cut into pieces of at most `PIECE` tokens on each side, each
+  piece pair classified the same way, and the general ones run on the XLA block kernel
+  (`lwm.attention.blocks`).
 
-So the result equals `dense_attention` for any positions and segment ids, and a row whose
-documents are longer than a piece (long-context training) runs on cuDNN throughout; rows packed
-with short documents fall back pair by pair. The pairs' outputs are combined with their
-float32 log-sum-exps, as the ring combines chunks.
+So the result equals `dense_attention` for any positions and segment ids; a row of one
+document makes one cuDNN call per pair (as large as cuDNN alone would make on that shard), and
+in rows packed with documents only the pieces that hold a boundary fall back. The pairs'
+outputs are combined with their float32 log-sum-exps, as the ring combines chunks.
 
 Backward: JAX's own cuDNN rule is for one call; it drops the log-sum-exp's cotangent, so autodiff
 through the combine would be wrong. This module has its own VJP (as ring-flash-attention does
@@ -234,9 +236,21 @@ def _xla_pair_bwd(q, k, v, out, lse, dout, qp, qsg, kp, ksg, spec: Spec, vma):
     return blocks.merge_q(dq, t), blocks.merge_kv(dk, s), blocks.merge_kv(dv, s)
 
 
-def _pair_fwd(q, k, v, qp, qsg, kp, ksg, spec: Spec, vma):
+PIECE = 4096  # a general pair is cut into pieces of at most this many tokens (`_split_count`)
+
+
+def _split_count(q_len: int, kv_len: int) -> int:
+    """Into how many pieces a general pair is cut on each side: halved until a piece is at most
+    `PIECE` tokens (1: the pair goes to the XLA kernel whole)."""
+    m = 1
+    while q_len // m > PIECE and q_len % (2 * m) == 0 and kv_len % (2 * m) == 0:
+        m *= 2
+    return m
+
+
+def _pair_fwd(q, k, v, qp, qsg, kp, ksg, spec: Spec, vma, split: bool = True):
     """Output (float32 ``[b, t, h, d]``) and log-sum-exp (``[b, h, t]``, -inf where nothing is
-    visible) of one pair."""
+    visible) of one pair. A general pair longer than `PIECE` is cut into pieces (``split``)."""
     fwd, _ = _kernels(spec)
     b, t, h, d = q.shape
 
@@ -250,14 +264,41 @@ def _pair_fwd(q, k, v, qp, qsg, kp, ksg, spec: Spec, vma):
 
         return run
 
-    def general(q, k, v, qp, qsg, kp, ksg):
-        return _xla_pair_fwd(q, k, v, qp, qsg, kp, ksg, spec, vma)
+    def general(*operands):
+        if split and _split_count(t, k.shape[1]) > 1:
+            return _split_fwd(*operands, spec, vma)
+        return _xla_pair_fwd(*operands, spec, vma)
 
     kind = pair_kind(qp, qsg, kp, ksg, spec.causal)
     return _switch(kind, dead, on_cudnn(True), on_cudnn(False), general, q, k, v, qp, qsg, kp, ksg)
 
 
-def _pair_bwd(q, k, v, out, lse, dout, qp, qsg, kp, ksg, spec: Spec, vma):
+def _split_fwd(q, k, v, qp, qsg, kp, ksg, spec: Spec, vma):
+    """`_pair_fwd` of a general pair, piece by piece."""
+    m = _split_count(q.shape[1], k.shape[1])
+    b, sq, h, d = q.shape
+    t, s = sq // m, k.shape[1] // m
+    acc = (full((b, sq, h, d), 0.0, F32, vma), full((b, h, sq), -jnp.inf, F32, vma))
+
+    def q_step(i, acc):
+        qi = (_piece(q, i, t), _piece(qp, i, t), _piece(qsg, i, t))
+
+        def k_step(j, carry):
+            kj = [_piece(x, j, s) for x in (k, v, kp, ksg)]
+            pair = _pair_fwd(qi[0], kj[0], kj[1], qi[1], qi[2], kj[2], kj[3], spec, vma, False)
+            return _merge(*carry, *pair)
+
+        carry = (_piece(acc[0], i, t), _piece(acc[1], i, t, axis=2))
+        out, lse = lax.fori_loop(0, m, k_step, carry)
+        return (
+            lax.dynamic_update_slice_in_dim(acc[0], out, i * t, axis=1),
+            lax.dynamic_update_slice_in_dim(acc[1], lse, i * t, axis=2),
+        )
+
+    return lax.fori_loop(0, m, q_step, acc)
+
+
+def _pair_bwd(q, k, v, out, lse, dout, qp, qsg, kp, ksg, spec: Spec, vma, split: bool = True):
     """This pair's parts of dQ, dK, dV (float32), from the global output and log-sum-exp."""
     _, bwd = _kernels(spec)
 
@@ -275,12 +316,39 @@ def _pair_bwd(q, k, v, out, lse, dout, qp, qsg, kp, ksg, spec: Spec, vma):
 
         return run
 
-    def general(q, k, v, out, lse, dout, qp, qsg, kp, ksg):
-        return _xla_pair_bwd(q, k, v, out, lse, dout, qp, qsg, kp, ksg, spec, vma)
+    def general(*operands):
+        if split and _split_count(q.shape[1], k.shape[1]) > 1:
+            return _split_bwd(*operands, spec, vma)
+        return _xla_pair_bwd(*operands, spec, vma)
 
     kind = pair_kind(qp, qsg, kp, ksg, spec.causal)
     operands = (q, k, v, out, lse, dout, qp, qsg, kp, ksg)
     return _switch(kind, dead, on_cudnn(True), on_cudnn(False), general, *operands)
+
+
+def _split_bwd(q, k, v, out, lse, dout, qp, qsg, kp, ksg, spec: Spec, vma):
+    """`_pair_bwd` of a general pair, piece by piece."""
+    m = _split_count(q.shape[1], k.shape[1])
+    t, s = q.shape[1] // m, k.shape[1] // m
+
+    def q_step(i, grads):
+        dq, dk, dv = grads
+        qi = [_piece(x, i, t) for x in (q, out, dout, qp, qsg)]
+        lse_i = _piece(lse, i, t, axis=2)
+
+        def k_step(j, carry):
+            dq_i, dk, dv = carry
+            kj, vj, kpj, ksgj = (_piece(x, j, s) for x in (k, v, kp, ksg))
+            gq, gk, gv = _pair_bwd(
+                qi[0], kj, vj, qi[1], lse_i, qi[2], qi[3], qi[4], kpj, ksgj, spec, vma, False
+            )
+            return dq_i + gq, _add_piece(dk, j, gk), _add_piece(dv, j, gv)
+
+        dq_i, dk, dv = lax.fori_loop(0, m, k_step, (_piece(dq, i, t), dk, dv))
+        return lax.dynamic_update_slice_in_dim(dq, dq_i, i * t, axis=1), dk, dv
+
+    zeros_kv = full(k.shape, 0.0, F32, vma)
+    return lax.fori_loop(0, m, q_step, (full(q.shape, 0.0, F32, vma), zeros_kv, zeros_kv))
 
 
 # -- the driver: pieces, ring steps, custom VJP ------------------------------------------------
@@ -296,20 +364,11 @@ def _add_piece(acc: jax.Array, i, part: jax.Array, axis: int = 1) -> jax.Array:
     return lax.dynamic_update_slice_in_dim(acc, _piece(acc, i, size, axis) + part, i * size, axis)
 
 
-PIECE = 4096  # the longest piece of a shard that one cuDNN call takes (see `_num_pieces`)
-
-
 def _num_pieces(axis_name: str | None, q_len: int, kv_len: int) -> int:
-    """Pieces per shard: its two zigzag halves under ring attention (one piece on one device),
-    cut further until a piece is at most `PIECE` tokens, so that in rows packed with documents
-    only the pairs that hold a document boundary fall back to the XLA kernel. Long enough
-    pieces keep each cuDNN call large (a 4K x 4K pair is about 0.3 TFLOP at 32 heads of 128)."""
+    """Pieces per shard at the first level: its two zigzag halves under ring attention (each
+    half is one contiguous run of the sequence), the whole shard on one device."""
     ring = axis_name is not None and lax.axis_size(axis_name) > 1
-    base = 2 if ring and q_len % 2 == 0 and kv_len % 2 == 0 else 1
-    m = base
-    while q_len // m > PIECE and q_len % (2 * m) == 0 and kv_len % (2 * m) == 0:
-        m *= 2
-    return m
+    return 2 if ring and q_len % 2 == 0 and kv_len % 2 == 0 else 1
 
 
 def _merge(out, lse, out2, lse2):
