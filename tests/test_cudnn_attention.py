@@ -140,6 +140,44 @@ def test_what_cudnn_refuses_is_named():
     assert "head_dim 12" in cudnn.unsupported(q, k)
 
 
+def test_real_kernels_lower_for_cuda_from_this_host(monkeypatch):
+    """The path with cuDNN's own kernels (not the stand-in) traces inside the ring's
+    shard_map, forward and backward, and lowers to StableHLO for CUDA on this CPU host: the
+    private JAX API it uses is there with the arguments it passes, and the program holds
+    cuDNN's forward and backward calls. (cuDNN's own checks of the GPU are skipped: there is
+    none here.)"""
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+
+    import lwm.attention.blockwise as blockwise
+
+    monkeypatch.setattr(fa, "check_cudnn_version", lambda: 91000)
+    monkeypatch.setattr(fa, "check_is_flash_attention", lambda *a, **k: None)
+    monkeypatch.setattr(cudnn, "PIECE", 16)
+    real = blockwise.resolve_kernel
+
+    def on_gpu(kernel, platform=None):
+        return ("cudnn", False) if kernel == "cudnn" else real(kernel, platform)
+
+    monkeypatch.setattr(blockwise, "resolve_kernel", on_gpu)
+    monkeypatch.setattr("lwm.attention.ring.resolve_kernel", on_gpu)
+    monkeypatch.setattr(cudnn, "unsupported", lambda q, k: None)
+    s, sp = 128, 2
+    perm = zigzag_permutation(s, sp)
+    q, k, v = (x.astype(jnp.bfloat16) for x in qkv(s=s))
+    seg = packed_segments(2, s)[:, perm]
+    pos = document_positions(packed_segments(2, s))[:, perm]
+    mesh = mesh_of((1, 2, 2, 2))
+    kw = dict(q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg)
+
+    def loss(q, k, v):
+        out = ring_attention(q, k, v, mesh=mesh, block_q=8, block_k=8, kernel="cudnn", **kw)
+        return out.astype(jnp.float32).sum()
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+    text = step.trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
+    assert "__cudnn$fmhaSoftmax" in text and "__cudnn$fmhaSoftmaxBackward" in text
+
+
 # ---------------------------------------------------------------------------------------------
 # cuDNN itself: only on an NVIDIA GPU
 
