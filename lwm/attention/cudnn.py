@@ -115,7 +115,7 @@ def _cudnn_bwd(q, k, v, out, lse, dout, causal: bool, scale: float):
     return dq, dk, dv
 
 
-def _emulated_probs(q, k, causal: bool, scale: float):
+def _emulated_scores(q, k, causal: bool, scale: float):
     b, t, h, d = q.shape
     kvh = k.shape[2]
     qf = q.astype(F32).reshape(b, t, kvh, h // kvh, d)
@@ -127,7 +127,7 @@ def _emulated_probs(q, k, causal: bool, scale: float):
 
 def _emulated_fwd(q, k, v, causal: bool, scale: float):
     b, t, h, d = q.shape
-    s = _emulated_probs(q, k, causal, scale)
+    s = _emulated_scores(q, k, causal, scale)
     lse = jax.nn.logsumexp(s, axis=-1)  # [b, kvh, g, t]
     p = jnp.exp(s - lse[..., None])
     out = jnp.einsum("bkgts,bskd->btkgd", p, v.astype(F32)).reshape(b, t, h, d)
@@ -138,7 +138,7 @@ def _emulated_bwd(q, k, v, out, lse, dout, causal: bool, scale: float):
     b, t, h, d = q.shape
     kvh = k.shape[2]
     g = h // kvh
-    s = _emulated_probs(q, k, causal, scale)
+    s = _emulated_scores(q, k, causal, scale)
     p = jnp.exp(s - lse.reshape(b, kvh, g, t)[..., None])
     do = dout.astype(F32).reshape(b, t, kvh, g, d)
     delta = jnp.sum(do * out.astype(F32).reshape(b, t, kvh, g, d), axis=-1)  # [b, t, kvh, g]
