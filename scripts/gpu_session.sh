@@ -41,8 +41,8 @@ attention)
     step parity 200 python3 -m pytest -q -p no:cacheprovider tests/test_cudnn_attention.py -k gpu
     step bench_attention 300 python3 scripts/bench_attention.py --platform gpu \
         --seqs 8192,32768 --check --check-seq 4096 --check-block 512 --repeats 5
-    step bench_attention_piece16k 120 python3 scripts/bench_attention.py --platform gpu \
-        --seqs 32768 --modes fwd_bwd --impls ours-cudnn,cudnn --cudnn-piece 16384 --repeats 5
+    step bench_attention_128k 120 python3 scripts/bench_attention.py --platform gpu \
+        --seqs 131072 --modes fwd_bwd --impls ours-cudnn,cudnn --repeats 3
     ;;
 train)
     step bench_train 330 python3 scripts/bench_train.py --platform gpu --sizes 7b-4l \
