@@ -5,6 +5,7 @@ about videos it has never seen, scored against a model that never sees them.
     python scripts/demo.py                      # everything under runs/demo (README: time, numbers)
     python scripts/demo.py --out runs/long --videos 8000 --lm-steps 1500 --eval-every 250  # longer
     python scripts/demo.py --shapes-first-steps 0 --lm-steps 360   # without the shapes stage
+    python scripts/demo.py --platform gpu       # on the GPU JAX finds (mesh 1,1,1,1)
 
 Each step is a command a user would type (printed before it runs) and is skipped or resumed
 when its output already exists, so rerunning the demo continues where it stopped:
@@ -80,15 +81,29 @@ def main() -> int:
         help="train the world model this many steps on the shape questions alone first "
         "(the same videos), then the --lm-steps from those weights (0: no such stage)",
     )
-    p.add_argument("--mesh", default="2,1,2,1", help="dp,fsdp,sp,tp of the world model")
+    p.add_argument(
+        "--platform",
+        choices=("cpu", "gpu"),
+        default="cpu",
+        help="cpu: every step on simulated CPU devices, as many as the mesh has (default); "
+        "gpu: on the devices JAX finds (one GPU: --mesh 1,1,1,1 by default)",
+    )
+    p.add_argument(
+        "--mesh", help="dp,fsdp,sp,tp of the world model (default 2,1,2,1; 1,1,1,1 on a gpu)"
+    )
     args = p.parse_args()
+    if args.mesh is None:
+        args.mesh = "1,1,1,1" if args.platform == "gpu" else "2,1,2,1"
 
     out = Path(args.out)
     py = sys.executable
     lwm = [py, "-m", "lwm"]
     env = dict(os.environ)
-    # Every JAX verb runs on as many simulated CPU devices as the world model's mesh has.
+    # On a CPU every JAX verb runs on as many simulated devices as the world model's mesh has;
+    # on a GPU, on the devices JAX finds.
     cpu = ["--cpu-devices", str(math.prod(int(n) for n in args.mesh.split(",")))]
+    if args.platform == "gpu":
+        cpu = []
     start = time.perf_counter()
     train_videos = out / "videos" / "train" / "manifest.jsonl"
     held_out = out / "videos" / "held_out" / "manifest.jsonl"

@@ -15,13 +15,29 @@
 #   bash scripts/gpu_session.sh attention   # parity tests, bench_attention (about 4 minutes)
 #   bash scripts/gpu_session.sh train       # bench_train 8K/32K/128K, lwm train tiny (about 6)
 #
+# The README's demo on the GPU (`scripts/demo.py --platform gpu`) needs the video and dataset
+# packages too. Make its videos here (`python scripts/demo.py` stopped after its first two
+# steps, or copied from a CPU run: runs/demo/videos, about 14 MB), so that PyAV (36 MB) need
+# not travel, and download into .whl-demo (also excluded from git), with the command above:
+#   tensorflow-datasets==4.9.10 array_record==0.8.6 grain==0.2.18 decord==0.6.0 dm-tree==0.1.10
+#   immutabledict==4.3.1 simple_parsing==0.1.9 tensorflow-metadata==1.21.0 termcolor==3.3.0
+#   toml==0.10.2 portpicker==1.6.0 docstring_parser==0.18.0 googleapis-common-protos==1.76.0
+#   and promise==2.3 (a source archive: `pip download --no-deps --no-binary=:all:`); 22 MB.
+# Then, with carry [".whl", ".whl-demo", "runs/demo/videos"]:
+#
+#   bash scripts/gpu_session.sh demo        # the demo on one GPU, timed
+#
 # Every step writes its log under $OUT (what comes back); the last lines of each are printed.
 set -uo pipefail
-part=${1:?usage: gpu_session.sh attention|train}
+part=${1:?usage: gpu_session.sh attention|train|demo}
 out=${OUT:-/tmp/gpu_session}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
+if [ "$part" = demo ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl-demo/* || exit 1
+fi
 export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda
 
 step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $out/NAME.log
@@ -53,6 +69,9 @@ train)
         --seqs 131072 --attention blockwise --kernels cudnn --one-document --repeats 2
     step tiny 60 python3 -m lwm train --config configs/tiny.yaml train.steps=30 \
         train.output_dir=/tmp/tiny model.dtype=bfloat16 model.attention_kernel=auto
+    ;;
+demo)
+    step demo 520 python3 scripts/demo.py --platform gpu
     ;;
 *)
     echo "unknown part $part" >&2
