@@ -13,7 +13,8 @@
 # then run, with carry [".whl"] and timeout_s 540:
 #
 #   bash scripts/gpu_session.sh attention   # parity tests, bench_attention (about 4 minutes)
-#   bash scripts/gpu_session.sh train       # bench_train 8K/32K/128K, lwm train tiny (about 6)
+#   bash scripts/gpu_session.sh train       # bench_train 8K/32K, lwm train tiny (about 5)
+#   bash scripts/gpu_session.sh train_more  # remat dots_saveable, packed rows, 128K (about 5)
 #
 # The README's demo on the GPU (`scripts/demo.py --platform gpu`) needs the video and dataset
 # packages too. Make its videos here (`python scripts/demo.py` stopped after its first two
@@ -29,7 +30,7 @@
 #
 # Every step writes its log under $OUT (what comes back); the last lines of each are printed.
 set -uo pipefail
-part=${1:?usage: gpu_session.sh attention|train|demo}
+part=${1:?usage: gpu_session.sh attention|train|train_more|demo}
 out=${OUT:-/tmp/gpu_session}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -63,12 +64,17 @@ attention)
 train)
     step bench_train 330 python3 scripts/bench_train.py --platform gpu --sizes 7b-4l \
         --seqs 8192,32768 --attention blockwise --kernels xla,cudnn --one-document --repeats 5
+    step tiny 60 python3 -m lwm train --config configs/tiny.yaml train.steps=30 \
+        train.output_dir=/tmp/tiny model.dtype=bfloat16 model.attention_kernel=auto
+    ;;
+train_more)
+    step bench_train_remat 150 python3 scripts/bench_train.py --platform gpu --sizes 7b-4l \
+        --seqs 8192 --attention blockwise --kernels cudnn --one-document --remat dots_saveable \
+        --repeats 5
     step bench_train_packed 150 python3 scripts/bench_train.py --platform gpu --sizes 7b-4l \
         --seqs 8192 --attention blockwise --kernels cudnn --repeats 3
     step bench_train_128k 150 python3 scripts/bench_train.py --platform gpu --sizes 7b-4l \
         --seqs 131072 --attention blockwise --kernels cudnn --one-document --repeats 2
-    step tiny 60 python3 -m lwm train --config configs/tiny.yaml train.steps=30 \
-        train.output_dir=/tmp/tiny model.dtype=bfloat16 model.attention_kernel=auto
     ;;
 demo)
     step demo 520 python3 scripts/demo.py --platform gpu
