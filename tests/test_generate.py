@@ -46,11 +46,18 @@ def greedy_by_full_forward(model, tokens, vision, lens, steps, mode="text", mult
 
 
 @pytest.mark.parametrize(
-    "mesh_shape,attention", [(None, "blockwise"), ("1,1,4,2", "ring"), ("1,2,2,2", "ring")]
+    "mesh_shape,attention,kernel",
+    [
+        (None, "blockwise", "xla"),
+        ("1,1,4,2", "ring", "xla"),
+        ("1,2,2,2", "ring", "xla"),
+        ("1,2,2,2", "ring", "cudnn"),  # the prompt's prefill on the cuDNN kernel
+    ],
 )
-def test_greedy_with_cache_equals_full_forward(mesh_shape, attention):
+def test_greedy_with_cache_equals_full_forward(mesh_shape, attention, kernel):
     mesh = None if mesh_shape is None else make_mesh(mesh_shape)
-    model = create_model(debug_cfg(attention=attention, block_q=4, block_k=4), mesh=mesh)
+    cfg = debug_cfg(attention=attention, block_q=4, block_k=4, attention_kernel=kernel)
+    model = create_model(cfg, mesh=mesh)
     tokens, vision, lens = prompts()
     out, lengths = generate(model, tokens, vision, lens, key=jax.random.key(0), max_new_tokens=7)
     sp = 1 if mesh is None else mesh.shape["sp"]
