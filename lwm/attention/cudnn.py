@@ -273,19 +273,18 @@ def _pair_fwd(q, k, v, qp, qsg, kp, ksg, spec: Spec, vma, split: bool = True):
     return _switch(kind, dead, on_cudnn(True), on_cudnn(False), general, q, k, v, qp, qsg, kp, ksg)
 
 
-def _split_fwd(q, k, v, qp, qsg, kp, ksg, spec: Spec, vma):
-    """`_pair_fwd` of a general pair, piece by piece."""
-    m = _split_count(q.shape[1], k.shape[1])
-    b, sq, h, d = q.shape
-    t, s = sq // m, k.shape[1] // m
-    acc = (full((b, sq, h, d), 0.0, F32, vma), full((b, h, sq), -jnp.inf, F32, vma))
+def _fold_fwd(q, k, v, qp, qsg, kp, ksg, acc, m: int, split: bool, spec: Spec, vma):
+    """Fold every (query piece, key piece) pair, ``m`` pieces a side, into ``acc`` = (output,
+    log-sum-exp) of the queries: the driver's pairs (``split``: a general one is cut further)
+    and the pieces of a general pair (``split=False``)."""
+    t, s = q.shape[1] // m, k.shape[1] // m
 
     def q_step(i, acc):
         qi = (_piece(q, i, t), _piece(qp, i, t), _piece(qsg, i, t))
 
         def k_step(j, carry):
             kj = [_piece(x, j, s) for x in (k, v, kp, ksg)]
-            pair = _pair_fwd(qi[0], kj[0], kj[1], qi[1], qi[2], kj[2], kj[3], spec, vma, False)
+            pair = _pair_fwd(qi[0], kj[0], kj[1], qi[1], qi[2], kj[2], kj[3], spec, vma, split)
             return _merge(*carry, *pair)
 
         carry = (_piece(acc[0], i, t), _piece(acc[1], i, t, axis=2))
@@ -296,6 +295,14 @@ def _split_fwd(q, k, v, qp, qsg, kp, ksg, spec: Spec, vma):
         )
 
     return lax.fori_loop(0, m, q_step, acc)
+
+
+def _split_fwd(q, k, v, qp, qsg, kp, ksg, spec: Spec, vma):
+    """`_pair_fwd` of a general pair, piece by piece."""
+    b, sq, h, d = q.shape
+    acc = (full((b, sq, h, d), 0.0, F32, vma), full((b, h, sq), -jnp.inf, F32, vma))
+    m = _split_count(sq, k.shape[1])
+    return _fold_fwd(q, k, v, qp, qsg, kp, ksg, acc, m, False, spec, vma)
 
 
 def _pair_bwd(q, k, v, out, lse, dout, qp, qsg, kp, ksg, spec: Spec, vma, split: bool = True):
@@ -326,9 +333,9 @@ def _pair_bwd(q, k, v, out, lse, dout, qp, qsg, kp, ksg, spec: Spec, vma, split:
     return _switch(kind, dead, on_cudnn(True), on_cudnn(False), general, *operands)
 
 
-def _split_bwd(q, k, v, out, lse, dout, qp, qsg, kp, ksg, spec: Spec, vma):
-    """`_pair_bwd` of a general pair, piece by piece."""
-    m = _split_count(q.shape[1], k.shape[1])
+def _fold_bwd(q, k, v, out, lse, dout, qp, qsg, kp, ksg, grads, m: int, split: bool, spec, vma):
+    """Add every (query piece, key piece) pair's dQ, dK, dV, ``m`` pieces a side, into
+    ``grads``; ``split`` as in `_fold_fwd`."""
     t, s = q.shape[1] // m, k.shape[1] // m
 
     def q_step(i, grads):
@@ -340,15 +347,22 @@ def _split_bwd(q, k, v, out, lse, dout, qp, qsg, kp, ksg, spec: Spec, vma):
             dq_i, dk, dv = carry
             kj, vj, kpj, ksgj = (_piece(x, j, s) for x in (k, v, kp, ksg))
             gq, gk, gv = _pair_bwd(
-                qi[0], kj, vj, qi[1], lse_i, qi[2], qi[3], qi[4], kpj, ksgj, spec, vma, False
+                qi[0], kj, vj, qi[1], lse_i, qi[2], qi[3], qi[4], kpj, ksgj, spec, vma, split
             )
             return dq_i + gq, _add_piece(dk, j, gk), _add_piece(dv, j, gv)
 
         dq_i, dk, dv = lax.fori_loop(0, m, k_step, (_piece(dq, i, t), dk, dv))
         return lax.dynamic_update_slice_in_dim(dq, dq_i, i * t, axis=1), dk, dv
 
+    return lax.fori_loop(0, m, q_step, grads)
+
+
+def _split_bwd(q, k, v, out, lse, dout, qp, qsg, kp, ksg, spec: Spec, vma):
+    """`_pair_bwd` of a general pair, piece by piece."""
     zeros_kv = full(k.shape, 0.0, F32, vma)
-    return lax.fori_loop(0, m, q_step, (full(q.shape, 0.0, F32, vma), zeros_kv, zeros_kv))
+    grads = (full(q.shape, 0.0, F32, vma), zeros_kv, zeros_kv)
+    m = _split_count(q.shape[1], k.shape[1])
+    return _fold_bwd(q, k, v, out, lse, dout, qp, qsg, kp, ksg, grads, m, False, spec, vma)
 
 
 # -- the driver: pieces, ring steps, custom VJP ------------------------------------------------
@@ -391,28 +405,10 @@ def _forward(q, k, v, qp, kp, qsg, ksg, spec: Spec, axis_name):
     n = 1 if axis_name is None else lax.axis_size(axis_name)
     m = _num_pieces(axis_name, q.shape[1], k.shape[1])
     b, sq, h, d = q.shape
-    t, s = sq // m, k.shape[1] // m
     acc = (full((b, sq, h, d), 0.0, F32, vma), full((b, h, sq), -jnp.inf, F32, vma))
 
     def fold(kv, acc):
-        kc, vc, kpc, ksgc = kv
-
-        def q_step(i, acc):
-            qi, qpi, qsgi = _piece(q, i, t), _piece(qp, i, t), _piece(qsg, i, t)
-
-            def k_step(j, carry):
-                kvj = (_piece(kc, j, s), _piece(vc, j, s), _piece(kpc, j, s), _piece(ksgc, j, s))
-                pair = _pair_fwd(qi, kvj[0], kvj[1], qpi, qsgi, kvj[2], kvj[3], spec, vma)
-                return _merge(*carry, *pair)
-
-            carry = (_piece(acc[0], i, t), _piece(acc[1], i, t, axis=2))
-            out, lse = lax.fori_loop(0, m, k_step, carry)
-            return (
-                lax.dynamic_update_slice_in_dim(acc[0], out, i * t, axis=1),
-                lax.dynamic_update_slice_in_dim(acc[1], lse, i * t, axis=2),
-            )
-
-        return lax.fori_loop(0, m, q_step, acc)
+        return _fold_fwd(q, kv[0], kv[1], qp, qsg, kv[2], kv[3], acc, m, True, spec, vma)
 
     kv = (k, v, kp, ksg)
     if n > 1:
@@ -432,28 +428,11 @@ def _backward(res, dout, spec: Spec, axis_name):
     vma = union_vma(jax.tree.leaves(res))
     n = 1 if axis_name is None else lax.axis_size(axis_name)
     m = _num_pieces(axis_name, q.shape[1], k.shape[1])
-    t, s = q.shape[1] // m, k.shape[1] // m
 
     def fold(kv, dq, dk, dv):
-        kc, vc, kpc, ksgc = kv
-
-        def q_step(i, grads):
-            dq, dk, dv = grads
-            qi = tuple(_piece(x, i, t) for x in (q, qp, qsg, out, dout))
-            lse_i = _piece(lse, i, t, axis=2)
-
-            def k_step(j, carry):
-                dq_i, dk, dv = carry
-                kj, vj, kpj, ksgj = (_piece(x, j, s) for x in (kc, vc, kpc, ksgc))
-                gq, gk, gv = _pair_bwd(
-                    qi[0], kj, vj, qi[3], lse_i, qi[4], qi[1], qi[2], kpj, ksgj, spec, vma
-                )
-                return dq_i + gq, _add_piece(dk, j, gk), _add_piece(dv, j, gv)
-
-            dq_i, dk, dv = lax.fori_loop(0, m, k_step, (_piece(dq, i, t), dk, dv))
-            return lax.dynamic_update_slice_in_dim(dq, dq_i, i * t, axis=1), dk, dv
-
-        return lax.fori_loop(0, m, q_step, (dq, dk, dv))
+        k, v, kp, ksg = kv
+        grads = (dq, dk, dv)
+        return _fold_bwd(q, k, v, out, lse, dout, qp, qsg, kp, ksg, grads, m, True, spec, vma)
 
     dq = full(q.shape, 0.0, F32, vma)
     zeros_kv = full(k.shape, 0.0, F32, vma)
