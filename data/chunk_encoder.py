@@ -13,9 +13,10 @@ import multiprocessing
 import multiprocessing.pool
 import os
 import sys
+import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -29,6 +30,7 @@ from data.workdir import chunk_json, chunk_shard, write_json
 
 __all__ = [
     "ChunkEncoder",
+    "DecodeStream",
     "EncoderPipeline",
     "decode_stream",
     "default_workers",
@@ -289,6 +291,177 @@ def start_workers(workers: int) -> multiprocessing.pool.Pool | None:
     return ctx.Pool(workers, initializer=_worker_init)
 
 
+GROUP_ITEMS = 16  # the most items in one task sent to a worker
+
+
+class DecodeStream:
+    """The decoded items ``indices``, in order (an iterator; `close` stops it early).
+
+    ``workers`` > 0: decoded by that many worker processes (``pool``, from `start_workers`
+    and left running, or the stream's own), fed by a helper thread from the moment the stream
+    is made, so decoding starts while the caller still prepares its encoder. The thread keeps
+    the items decoded and not yet taken, with those in flight, at no fewer than
+    ``2 * workers + 2`` items and at up to ``frames_ahead`` frames (counted from the items
+    decoded so far): a consumer that takes a batch of frames at a time (the encoder) finds
+    the next batches decoded, and the decoders run on while it encodes. Items go to the
+    workers in groups (at most `GROUP_ITEMS`; short clips cost less in decoding than one
+    task's round trip), and each worker decodes with one thread. A worker's exception is
+    raised by the consumer's `next` after the items before it.
+
+    ``workers`` = 0: each item is decoded when it is asked for, in this process."""
+
+    def __init__(
+        self,
+        items: list[Item],
+        indices: list[int],
+        options: DecodeOptions,
+        workers: int,
+        *,
+        frames_ahead: int = 0,
+        pool: multiprocessing.pool.Pool | None = None,
+    ):
+        self._items = items
+        self._upcoming = iter(indices)
+        self._workers = workers
+        self._frames_ahead = frames_ahead
+        self._pool = pool
+        self._own = False
+        self._thread: threading.Thread | None = None
+        if workers <= 0 or not indices:
+            self._options = options
+            return
+        # One decoding thread per worker: the workers are one per core already, and a pool of
+        # threads per video costs more than it gains on short clips (1.5 against 2.2 ms for one
+        # of the demo's 4-frame videos; the frames are the same).
+        self._options = dataclasses.replace(options, decoder_threads=1)
+        if pool is None:
+            self._pool, self._own = start_workers(workers), True
+        self._cond = threading.Condition()
+        self._ready: deque[Decoded] = deque()  # decoded, not yet taken, in order
+        self._ready_frames = 0
+        self._failure: BaseException | None = None
+        self._fed = False  # every item decoded and handed over (or the feeding failed)
+        self._closed = False
+        self._thread = threading.Thread(target=self._feed, name="decode-feeder", daemon=True)
+        self._thread.start()
+
+    def __iter__(self) -> DecodeStream:
+        return self
+
+    def __next__(self) -> Decoded:
+        if self._thread is None:
+            i = next(self._upcoming)  # StopIteration at the end
+            return decode_item(i, self._items[i], self._options)
+        with self._cond:
+            while not self._ready and not self._fed:
+                self._cond.wait()
+            if self._ready:
+                result = self._ready.popleft()
+                self._ready_frames -= _frames(result)
+                self._cond.notify_all()
+                return result
+            if self._failure is not None:
+                raise self._failure
+            raise StopIteration
+
+    @property
+    def decoded_ahead(self) -> int:
+        """Items decoded and not yet taken."""
+        if self._thread is None:
+            return 0
+        with self._cond:
+            return len(self._ready)
+
+    def close(self) -> None:
+        """Stop feeding the workers (the items in flight are dropped); stop the stream's own
+        workers. A caller's pool is left running."""
+        if self._thread is not None:
+            with self._cond:
+                self._closed = True
+                self._cond.notify_all()
+            self._thread.join()
+        if self._own and self._pool is not None:
+            self._pool.terminate()
+            self._own = False
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+    def _room(self, items_ahead: int, frames_ahead: float) -> bool:
+        """Whether to send the workers more items, with ``items_ahead`` items (about
+        ``frames_ahead`` frames) decoded or in flight and not yet taken."""
+        if items_ahead < 2 * self._workers + 2:
+            return True
+        return bool(self._frames_ahead) and 0 < frames_ahead < self._frames_ahead
+
+    def _feed(self) -> None:
+        pool, workers = self._pool, self._workers
+        assert pool is not None
+        pending: deque = deque()  # the workers' tasks, in order
+        in_flight = seen_items = seen_frames = 0
+        exhausted = False
+        try:
+            while True:
+                with self._cond:
+                    if self._closed:
+                        return
+                    ready_items, ready_frames = len(self._ready), self._ready_frames
+                # Frames per item, from the items decoded so far (none yet: the items bound).
+                per_item = seen_frames / seen_items if seen_items else 0.0
+                wanted = max(
+                    2 * workers + 2,
+                    self._frames_ahead / per_item if self._frames_ahead and per_item else 0,
+                )
+                size = int(max(1, min(GROUP_ITEMS, wanted // (2 * workers))))
+                while not exhausted and self._room(
+                    ready_items + in_flight, ready_frames + in_flight * per_item
+                ):
+                    group = list(itertools.islice(self._upcoming, size))
+                    if not group:
+                        exhausted = True
+                        break
+                    tasks = [(i, self._items[i]) for i in group]
+                    pending.append(pool.apply_async(_decode_group, (tasks, self._options)))
+                    in_flight += len(group)
+                if pending:
+                    task = pending[0]
+                    while not task.ready():  # wait for the oldest task, unless closed
+                        task.wait(0.05)
+                        if self._closed:
+                            return
+                    pending.popleft()
+                    decoded = task.get()  # a worker's exception is raised here
+                    frames = sum(_frames(d) for d in decoded)
+                    in_flight -= len(decoded)
+                    seen_items += len(decoded)
+                    seen_frames += frames
+                    with self._cond:
+                        self._ready.extend(decoded)
+                        self._ready_frames += frames
+                        self._cond.notify_all()
+                    continue
+                if exhausted:
+                    return  # every item submitted and handed over
+                with self._cond:  # full: wait until the consumer takes an item (or closes)
+                    while not self._closed and (len(self._ready), self._ready_frames) == (
+                        ready_items,
+                        ready_frames,
+                    ):
+                        self._cond.wait()
+        except BaseException as e:  # noqa: BLE001  (handed to the consumer)
+            with self._cond:
+                self._failure = e
+        finally:
+            with self._cond:
+                self._fed = True
+                self._cond.notify_all()
+
+
+def _frames(d: Decoded) -> int:
+    return 0 if d.frames is None else len(d.frames)
+
+
 def decode_stream(
     items: list[Item],
     indices: list[int],
@@ -297,67 +470,10 @@ def decode_stream(
     *,
     frames_ahead: int = 0,
     pool: multiprocessing.pool.Pool | None = None,
-) -> Iterator[Decoded]:
-    """The decoded items ``indices``, in order. ``workers`` > 0: decoded by that many worker
-    processes, ahead of the consumer by at least ``2 * workers + 2`` items and by enough items
-    to hold ``frames_ahead`` frames (counted from the items decoded so far), so that a consumer
-    that takes a batch of frames at a time (the encoder) finds the next batch already decoded
-    however few frames each item has. Items go to the workers in groups of the items wanted ahead
-    divided by ``2 * workers`` (at least one; `_decode_group`), so each worker has about two
-    groups in flight, and each decodes with one thread. ``pool``: workers from `start_workers`
-    (the caller's, left running); without one, the stream starts and stops its own."""
-    if workers <= 0 or not indices:
-        for i in indices:
-            yield decode_item(i, items[i], options)
-        return
-    min_ahead = 2 * workers + 2
-    # One decoding thread per worker: the workers are one per core already, and a pool of
-    # threads per video costs more than it gains on short clips (1.5 against 2.2 ms for one of
-    # the demo's 4-frame videos; the frames are the same).
-    options = dataclasses.replace(options, decoder_threads=1)
-    own = pool is None
-    if own:
-        pool = start_workers(workers)
-    assert pool is not None
-    try:
-        pending: deque = deque()  # tasks (groups of items), in order
-        ready: deque[Decoded] = deque()  # decoded items of a collected task, not yet yielded
-        upcoming = iter(indices)
-        seen_items, seen_frames, ahead = 0, 0, 0
-
-        def wanted() -> int:
-            if not frames_ahead or not seen_frames:
-                return min_ahead
-            per_item = seen_frames / seen_items
-            return max(min_ahead, int(np.ceil(frames_ahead / per_item)) + workers)
-
-        def fill() -> None:
-            nonlocal ahead
-            # Items go to the workers in groups, so that each worker has about two tasks in
-            # flight: short clips cost less in decoding than one task's round trip.
-            want = wanted()
-            size = max(1, want // (2 * workers))
-            while ahead < want:
-                group = list(itertools.islice(upcoming, size))
-                if not group:
-                    return
-                tasks = [(i, items[i]) for i in group]
-                pending.append(pool.apply_async(_decode_group, (tasks, options)))
-                ahead += len(group)
-
-        fill()
-        while pending or ready:
-            if not ready:
-                ready.extend(pending.popleft().get())
-            result = ready.popleft()
-            ahead -= 1
-            seen_items += 1
-            seen_frames += 0 if result.frames is None else len(result.frames)
-            fill()
-            yield result
-    finally:
-        if own:
-            pool.terminate()
+) -> DecodeStream:
+    """`DecodeStream` (its docstring): the decoded items ``indices``, in order, decoding from
+    now on."""
+    return DecodeStream(items, indices, options, workers, frames_ahead=frames_ahead, pool=pool)
 
 
 def _decode_group(tasks: list[tuple[int, Item]], options: DecodeOptions) -> list[Decoded]:

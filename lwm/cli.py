@@ -8,7 +8,6 @@ import sys
 from collections.abc import Sequence
 
 from lwm.base.lock import LockedError
-from lwm.base.mesh import MeshError, use_cpu_devices
 from lwm.config import ConfigError
 
 # verb -> (module with `add_arguments(parser)` and `run(args) -> int`, one-line help).
@@ -31,13 +30,20 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "synthetic": ("lwm.commands.synthetic", "synthetic videos of moving shapes with QA manifests"),
 }
 
-# Errors caused by the user's input: reported as one line, exit status 2, no traceback.
-USER_ERRORS: tuple[type[BaseException], ...] = (
-    ConfigError,
-    MeshError,
-    FileNotFoundError,
-    LockedError,  # the output is in use by another run
-)
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Errors caused by the user's input: reported as one line, exit status 2, no traceback.
+    (`lwm.base.mesh` imports JAX, so it is imported here, when a verb runs, and not with this
+    module: `lwm tokenize`'s decoding workers import this module again when the console script
+    starts them, and need no JAX.)"""
+    from lwm.base.mesh import MeshError
+
+    return (
+        ConfigError,
+        MeshError,
+        FileNotFoundError,
+        LockedError,  # the output is in use by another run
+    )
 
 
 def _top_parser() -> argparse.ArgumentParser:
@@ -75,11 +81,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     # A verb with subcommands parses its own arguments (argparse cannot intermix subparsers).
     parse = getattr(module, "parse_args", None)
     args = parse(parser, top.args) if parse else parser.parse_intermixed_args(top.args)
+    from lwm.base.mesh import use_cpu_devices
+
     try:
         if getattr(args, "cpu_devices", None):
             use_cpu_devices(args.cpu_devices)
         return int(module.run(args))
-    except USER_ERRORS as e:
+    except user_errors() as e:
         message = " ".join(str(e).split())
         print(f"lwm {top.command}: error: {message}", file=sys.stderr)
         return 2

@@ -127,3 +127,11 @@ def test_synthetic_verb_writes_a_manifest_and_refuses_an_impossible_world(tmp_pa
     )
     _assert_one_line_error(result, "could not draw an answerable video", verb="synthetic")
     assert not (tmp_path / "no").exists()  # nothing written
+
+
+def test_the_command_line_module_imports_no_jax() -> None:
+    # `lwm tokenize` starts its decoding workers with multiprocessing's spawn, which imports the
+    # console script's module again in each worker: that import must stay light (no JAX).
+    code = "import sys, lwm.cli; print(sorted(m for m in ('jax', 'flax') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

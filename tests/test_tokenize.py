@@ -553,6 +553,43 @@ def test_cpu_devices_too_few_and_too_late_are_one_line(capsys):
     assert "--cpu-devices 4: JAX has already started with 8 device(s)" in err
 
 
+def test_decoding_starts_when_the_stream_is_made_and_keeps_to_its_frames(synthetic):
+    from data.chunk_encoder import decode_stream
+    from data.decode import DecodeOptions
+    from data.manifest import read_inputs
+
+    items = read_inputs(str(synthetic))
+    indices = list(range(len(items))) * 4
+    options = DecodeOptions(resolution=16)
+
+    def wait_for(stream, count: int) -> None:
+        deadline = time.monotonic() + 60
+        while stream.decoded_ahead < count and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    # Room for everything: every item is decoded before the first is taken (as `lwm tokenize`
+    # has the workers decode while its encoder compiles).
+    stream = decode_stream(items, indices, options, 1, frames_ahead=10**6)
+    try:
+        wait_for(stream, len(indices))
+        assert stream.decoded_ahead == len(indices)
+        assert [d.index for d in stream] == indices
+    finally:
+        stream.close()
+    # Room for 12 frames (two 6-frame videos): one worker keeps 4 items (2 * workers + 2)
+    # decoded or in flight once it knows the frames per item, at most one group of 2 beyond.
+    stream = decode_stream(items, indices, options, 1, frames_ahead=12)
+    try:
+        wait_for(stream, 4)
+        time.sleep(1.0)  # time to overrun, if it would
+        assert 4 <= stream.decoded_ahead <= 6
+        got = [next(stream).index for _ in range(3)]
+        stream.close()  # early, with items in flight: returns, and stops the stream's workers
+        assert got == indices[:3] and stream.decoded_ahead <= 6
+    finally:
+        stream.close()
+
+
 def test_workers_decode_ahead_in_frames_and_in_order(synthetic):
     from data.chunk_encoder import decode_stream
     from data.decode import DecodeOptions
