@@ -461,6 +461,7 @@ def write_dataset(
     categories: tuple[str, ...] | None = None,
     manifest_name: str = "manifest.jsonl",
     also: dict[str, tuple[str, ...]] | None = None,
+    workers: int = 0,
     **world: Any,
 ) -> Path:
     """Write ``count`` videos as MP4 under ``out/videos`` with ``videos.jsonl`` and
@@ -474,8 +475,9 @@ def write_dataset(
     that ``out/videos.jsonl`` already lists with the same attributes, and whose MP4 is there,
     is not rendered again. ``also``: more manifests of the same videos, written in the same
     pass, by file name, each with only the questions of its categories (``{"shapes.jsonl":
-    ("shape",)}``): what a second call with that name and those categories would write."""
-    from lwm.base.media import LOSSLESS, write_mp4
+    ("shape",)}``): what a second call with that name and those categories would write.
+    ``workers`` > 0: that many processes draw and render the videos (each video's draw depends
+    only on ``seed`` and its index, so the output is the same as with none)."""
 
     out = Path(out)
     also = dict(also or {})
@@ -489,39 +491,74 @@ def write_dataset(
             raise ValueError(f"manifest name {name!r} is not a file name ending in .jsonl")
     written = _written_videos(out)
 
-    def draw(i: int) -> VideoSpec:
-        return sample_video(
-            seed, i, size=size, num_frames=num_frames, fps=fps, needle_prob=needle_prob, **world
-        )
-
+    draw = _VideoMaker(
+        out, seed, dict(size=size, num_frames=num_frames, fps=fps, needle_prob=needle_prob, **world)
+    )
     for cats in manifests.values():
         _check_categories(cats)  # an unknown category fails before any output
-    first = draw(0) if count else None  # a world that cannot be drawn fails before any output
+    if count:
+        draw.spec(0)  # a world that cannot be drawn fails before any output
     (out / "videos").mkdir(parents=True, exist_ok=True)
     specs: list[dict[str, Any]] = []
     lines: dict[str, list[dict[str, Any]]] = {name: [] for name in manifests}
-    indices: Any = range(count)
+    tasks = [(i, written.get(_video_path(i))) for i in range(count)]
+    pool = None
+    if workers > 0 and count > 1:
+        import multiprocessing
+
+        pool = multiprocessing.get_context("spawn").Pool(workers)
+        made: Any = pool.imap(draw, tasks, chunksize=max(1, min(16, count // (4 * workers))))
+    else:
+        made = map(draw, tasks)
     if progress:
         from tqdm import tqdm
 
-        indices = tqdm(indices, desc="synthetic videos", unit="video")
-    for i in indices:
-        spec = first if i == 0 and first is not None else draw(i)
-        rel = f"videos/{i:05d}.mp4"
-        line = json.loads(json.dumps({"video": rel, **spec.to_json()}))  # as it is read back
-        if written.get(rel) != line or not (out / rel).is_file():
-            # lossless, so every run trains the VQGAN and world model on the same pixels
-            write_mp4(out / rel, render_video(spec), fps=fps, **LOSSLESS)
-        specs.append(line)
-        for name, cats in manifests.items():
-            if captions:
-                lines[name].append({"video": rel, "text": spec.caption})
-            records = spec.qa_records(qa_layout, cats)
-            lines[name].extend({"video": rel, "qa": record} for record in records)
+        made = tqdm(made, total=count, desc="synthetic videos", unit="video")
+    try:
+        for i, (spec, line) in enumerate(made):
+            rel = _video_path(i)
+            specs.append(line)
+            for name, cats in manifests.items():
+                if captions:
+                    lines[name].append({"video": rel, "text": spec.caption})
+                records = spec.qa_records(qa_layout, cats)
+                lines[name].extend({"video": rel, "qa": record} for record in records)
+    finally:
+        if pool is not None:
+            pool.terminate()
     write_jsonl(out / "videos.jsonl", specs)
     for name, manifest in lines.items():
         write_jsonl(out / name, manifest)
     return out / manifest_name
+
+
+def _video_path(i: int) -> str:
+    return f"videos/{i:05d}.mp4"
+
+
+class _VideoMaker:
+    """Draws video ``i`` of a dataset and writes its MP4 unless the one there is it already;
+    a picklable callable, so worker processes can make videos too."""
+
+    def __init__(self, out: Path, seed: int, draw: dict[str, Any]):
+        self.out, self.seed, self.draw = out, seed, draw
+
+    def spec(self, i: int) -> VideoSpec:
+        return sample_video(self.seed, i, **self.draw)
+
+    def __call__(self, task: tuple[int, dict[str, Any] | None]) -> tuple[VideoSpec, dict]:
+        """``task``: the index and the line ``videos.jsonl`` has for it (or None); returns the
+        spec and its line."""
+        from lwm.base.media import LOSSLESS, write_mp4
+
+        i, written = task
+        spec = self.spec(i)
+        rel = _video_path(i)
+        line = json.loads(json.dumps({"video": rel, **spec.to_json()}))  # as it is read back
+        if written != line or not (self.out / rel).is_file():
+            # lossless, so every run trains the VQGAN and world model on the same pixels
+            write_mp4(self.out / rel, render_video(spec), fps=self.draw["fps"], **LOSSLESS)
+        return spec, line
 
 
 def _written_videos(out: Path) -> dict[str, dict[str, Any]]:

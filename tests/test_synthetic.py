@@ -179,6 +179,18 @@ def test_mp4_dataset_read_back_with_decord(tmp_path: Path, layout: str) -> None:
     assert len(read_video(tmp_path / "videos/00000.mp4", max_frames=3)) == 3
 
 
+def test_worker_processes_write_the_same_dataset(tmp_path: Path) -> None:
+    kwargs = dict(count=6, seed=3, size=32, num_frames=4, also={"s.jsonl": ("shape",)})
+    serial = write_dataset(tmp_path / "serial", **kwargs)
+    parallel = write_dataset(tmp_path / "parallel", workers=2, **kwargs)
+    for name in ("manifest.jsonl", "s.jsonl", "videos.jsonl"):
+        assert (parallel.parent / name).read_text() == (serial.parent / name).read_text()
+    for i in range(6):
+        a = read_video(serial.parent / f"videos/{i:05d}.mp4")
+        b = read_video(parallel.parent / f"videos/{i:05d}.mp4")
+        np.testing.assert_array_equal(a, b)
+
+
 def test_bad_video_is_one_clear_error(tmp_path: Path) -> None:
     bad = tmp_path / "bad.mp4"
     bad.write_text("not a video")

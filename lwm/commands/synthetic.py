@@ -12,6 +12,7 @@ second manifest to the same folder without rendering its videos again.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -77,6 +78,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "`--categories shape --manifest shapes.jsonl` adds a manifest to a folder of videos",
     )
     parser.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="processes that draw and render the videos (default: one per CPU core for 64 "
+        "videos or more, else none); the output is the same for any number",
+    )
+    parser.add_argument(
         "--also-manifest",
         action="append",
         default=[],
@@ -94,6 +102,14 @@ def run(args: argparse.Namespace) -> int:
     if len(set(names)) != len(names):
         print(f"lwm synthetic: error: --also-manifest names a file twice: {names}", file=sys.stderr)
         return 2
+    if args.workers is not None and args.workers < 0:
+        print(
+            f"lwm synthetic: error: --workers {args.workers}: expected 0 or more", file=sys.stderr
+        )
+        return 2
+    workers = args.workers
+    if workers is None:
+        workers = _cores() if args.count >= 64 else 0
     try:
         manifest = write_dataset(
             args.out,
@@ -109,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
             categories=tuple(args.categories.split(",")) if args.categories else None,
             manifest_name=args.manifest,
             also=dict(args.also_manifest),
+            workers=workers,
             max_objects=args.max_objects,
             radius=args.radius,
             travel=args.travel,
@@ -118,3 +135,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     print(manifest)
     return 0
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
