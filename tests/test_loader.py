@@ -3,7 +3,10 @@ disjoint host shares, exact restore, the zigzag layout, padding mode."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -270,3 +273,32 @@ def test_grain_read_ahead_gives_the_plain_readers_batches_and_states(dataset):
         got = next(target)
         for key in want:
             np.testing.assert_array_equal(got[key], want[key])
+
+
+@pytest.mark.parametrize(
+    ("lengths", "tight"),
+    [((369, 411), 832), ((276, 289), 896), ((600, 700), 704), ((300, 411), None)],
+)
+def test_the_demos_tight_rows_hold_the_same_records_as_rows_of_1024(tmp_path, lengths, tight):
+    path = Path(__file__).resolve().parents[1] / "scripts" / "demo.py"
+    scripts = str(path.parent)
+    sys.path.insert(0, scripts)  # the demo imports scripts/steps.py
+    try:
+        spec = importlib.util.spec_from_file_location("demo_script", path)
+        demo = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(demo)
+    finally:
+        sys.path.remove(scripts)
+    rng = np.random.default_rng(0)
+    sizes = rng.integers(lengths[0], lengths[1] + 1, 500)
+    sizes[:2] = lengths  # the shortest and the longest are there
+    np.save(tmp_path / "num_tokens-train.npy", sizes)
+    overrides = demo.tight_rows(tmp_path, "2,1,2,1")
+    if tight is None:  # rows of 1,024 hold different numbers of these: nothing changes
+        assert overrides == []
+        return
+    assert overrides == [f"train.seq_len={tight}", *(f"model.block_{x}={tight // 8}" for x in "qk")]
+    order = rng.permutation(len(sizes))
+    a, b = plan_epoch(order, sizes, 1024, pack=True), plan_epoch(order, sizes, tight, pack=True)
+    assert a.num_rows == b.num_rows
+    assert all(a.row(r) == b.row(r) for r in range(a.num_rows))
