@@ -32,7 +32,6 @@ __all__ = [
     "ChunkEncoder",
     "DecodeStream",
     "EncoderPipeline",
-    "decode_stream",
     "default_workers",
     "start_workers",
 ]
@@ -360,9 +359,11 @@ class DecodeStream:
                 self._ready_frames -= _frames(result)
                 self._cond.notify_all()
                 return result
-            if self._failure is not None:
-                raise self._failure
-            raise StopIteration
+            failure = self._failure
+        self.close()  # the end (or a failure): the stream's own workers stop now
+        if failure is not None:
+            raise failure
+        raise StopIteration
 
     @property
     def decoded_ahead(self) -> int:
@@ -460,20 +461,6 @@ class DecodeStream:
 
 def _frames(d: Decoded) -> int:
     return 0 if d.frames is None else len(d.frames)
-
-
-def decode_stream(
-    items: list[Item],
-    indices: list[int],
-    options: DecodeOptions,
-    workers: int,
-    *,
-    frames_ahead: int = 0,
-    pool: multiprocessing.pool.Pool | None = None,
-) -> DecodeStream:
-    """`DecodeStream` (its docstring): the decoded items ``indices``, in order, decoding from
-    now on."""
-    return DecodeStream(items, indices, options, workers, frames_ahead=frames_ahead, pool=pool)
 
 
 def _decode_group(tasks: list[tuple[int, Item]], options: DecodeOptions) -> list[Decoded]:

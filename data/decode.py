@@ -44,7 +44,7 @@ class DecodeOptions:
     max_frames: int | None = None
     min_frames: int = 1
     # Decoding threads per video (decord's ``num_threads``); 0: decord's choice, one per core.
-    # Worker processes, which already take a core each, decode with one (`decode_stream`).
+    # Worker processes, which already take a core each, decode with one (`DecodeStream`).
     decoder_threads: int = 0
 
 

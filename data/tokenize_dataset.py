@@ -47,8 +47,8 @@ import numpy as np
 
 from data.chunk_encoder import (
     ChunkEncoder,
+    DecodeStream,
     EncoderPipeline,
-    decode_stream,
     default_workers,
     start_workers,
 )
@@ -264,7 +264,7 @@ def _tokenize(opts, encoder, log, mesh, distributed, out, work, workers, pool, b
     # `DECODE_AHEAD_BYTES` of frames (at least two batches): the decoders fill the queue during
     # the start-up, and the encoder finds its next batch decoded.
     ahead = max(2 * opts.batch_frames, DECODE_AHEAD_BYTES // (3 * encoder.resolution**2))
-    stream = decode_stream(items, indices, decode_opts, workers, frames_ahead=ahead, pool=pool)
+    stream = DecodeStream(items, indices, decode_opts, workers, frames_ahead=ahead, pool=pool)
     pipeline = EncoderPipeline(encoder)  # two batches in flight, across chunks
     saver = ThreadPoolExecutor(1, thread_name_prefix="chunk-writer")  # writes overlap encoding
     saves, open_chunks = [], deque()

@@ -554,7 +554,7 @@ def test_cpu_devices_too_few_and_too_late_are_one_line(capsys):
 
 
 def test_decoding_starts_when_the_stream_is_made_and_keeps_to_its_frames(synthetic):
-    from data.chunk_encoder import decode_stream
+    from data.chunk_encoder import DecodeStream
     from data.decode import DecodeOptions
     from data.manifest import read_inputs
 
@@ -569,7 +569,7 @@ def test_decoding_starts_when_the_stream_is_made_and_keeps_to_its_frames(synthet
 
     # Room for everything: every item is decoded before the first is taken (as `lwm tokenize`
     # has the workers decode while its encoder compiles).
-    stream = decode_stream(items, indices, options, 1, frames_ahead=10**6)
+    stream = DecodeStream(items, indices, options, 1, frames_ahead=10**6)
     try:
         wait_for(stream, len(indices))
         assert stream.decoded_ahead == len(indices)
@@ -578,7 +578,7 @@ def test_decoding_starts_when_the_stream_is_made_and_keeps_to_its_frames(synthet
         stream.close()
     # Room for 12 frames (two 6-frame videos): one worker keeps 4 items (2 * workers + 2)
     # decoded or in flight once it knows the frames per item, at most one group of 2 beyond.
-    stream = decode_stream(items, indices, options, 1, frames_ahead=12)
+    stream = DecodeStream(items, indices, options, 1, frames_ahead=12)
     try:
         wait_for(stream, 4)
         time.sleep(1.0)  # time to overrun, if it would
@@ -591,15 +591,15 @@ def test_decoding_starts_when_the_stream_is_made_and_keeps_to_its_frames(synthet
 
 
 def test_workers_decode_ahead_in_frames_and_in_order(synthetic):
-    from data.chunk_encoder import decode_stream
+    from data.chunk_encoder import DecodeStream
     from data.decode import DecodeOptions
     from data.manifest import read_inputs
 
     items = read_inputs(str(synthetic))
     indices = list(range(len(items)))
     options = DecodeOptions(resolution=16)
-    here = list(decode_stream(items, indices, options, 0))
-    ahead = list(decode_stream(items, indices, options, 1, frames_ahead=64))
+    here = list(DecodeStream(items, indices, options, 0))
+    ahead = list(DecodeStream(items, indices, options, 1, frames_ahead=64))
     assert [d.index for d in ahead] == [d.index for d in here] == indices
     for a, b in zip(ahead, here, strict=True):
         assert (a.error, a.frames is None) == (b.error, b.frames is None)
