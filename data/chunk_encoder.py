@@ -34,6 +34,7 @@ __all__ = [
     "EncoderPipeline",
     "default_workers",
     "start_workers",
+    "usable_cores",
 ]
 
 
@@ -268,17 +269,21 @@ def _worker_init() -> None:
         import decord  # noqa: F401  (imported now, while the main process loads its VQGAN)
 
 
+def usable_cores() -> int:
+    """The CPU cores this process may use."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 def default_workers() -> int:
     """Decoding processes for `lwm tokenize` when not told: one per CPU core this process may
     use, less one for the main process (which feeds the encoder), and at least two, so that
     decoding goes on while one worker waits on a file. (On the 2-core development machine two
     workers beat one with the demo's 8 simulated devices, 14.6 s against 19.0 s, and were
     within noise of it on one device.)"""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
-    return max(2, cores - 1)
+    return max(2, usable_cores() - 1)
 
 
 def start_workers(workers: int) -> multiprocessing.pool.Pool | None:

@@ -12,8 +12,9 @@ second manifest to the same folder without rendering its videos again.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
+
+from lwm.commands import non_negative_int
 
 
 def _pair(text: str) -> tuple[float, float]:
@@ -79,7 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--workers",
-        type=int,
+        type=non_negative_int,
         default=None,
         help="processes that draw and render the videos (default: one per CPU core for 64 "
         "videos or more, else none); the output is the same for any number",
@@ -96,20 +97,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from data.chunk_encoder import usable_cores
     from data.synthetic import write_dataset
 
     names = [name for name, _ in args.also_manifest]
     if len(set(names)) != len(names):
         print(f"lwm synthetic: error: --also-manifest names a file twice: {names}", file=sys.stderr)
         return 2
-    if args.workers is not None and args.workers < 0:
-        print(
-            f"lwm synthetic: error: --workers {args.workers}: expected 0 or more", file=sys.stderr
-        )
-        return 2
     workers = args.workers
     if workers is None:
-        workers = _cores() if args.count >= 64 else 0
+        workers = usable_cores() if args.count >= 64 else 0
     try:
         manifest = write_dataset(
             args.out,
@@ -135,10 +132,3 @@ def run(args: argparse.Namespace) -> int:
         return 2
     print(manifest)
     return 0
-
-
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
