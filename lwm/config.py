@@ -171,6 +171,9 @@ class TrainConfig(BaseModel):
     weight_decay: Annotated[float, Field(ge=0)] = 0.0
     b1: float = 0.9
     b2: float = 0.95
+    # "adamw"; or "muon": Muon on the transformer blocks' matrices, AdamW on the rest
+    # (`lwm.train_step.make_optimizer`)
+    optimizer: Literal["adamw", "muon"] = "adamw"
     clip_norm: PositiveFloat | None = 1.0
     text_loss_weight: Annotated[float, Field(ge=0)] = 0.5
     vision_loss_weight: Annotated[float, Field(ge=0)] = 0.5
@@ -186,6 +189,15 @@ class TrainConfig(BaseModel):
     async_save: bool = True
     peak_flops: Literal["auto"] | PositiveFloat = "auto"  # per device, for MFU
     progress: bool = True
+
+    @model_validator(mode="after")
+    def _check_optimizer(self) -> TrainConfig:
+        if self.optimizer == "muon" and self.weight_decay:
+            raise ValueError(
+                "weight_decay is not supported with optimizer muon (optax's Muon would decay "
+                "the norms too); set train.weight_decay=0"
+            )
+        return self
 
 
 class DataConfig(BaseModel):

@@ -1,4 +1,4 @@
-"""The training step: modality-balanced loss, gradients, AdamW; explicit shardings throughout.
+"""The training step: modality-balanced loss, gradients, AdamW or Muon; explicit shardings throughout.
 
 Parameters are an `nnx.State` (the model's graph definition is static); the optimizer is optax.
 `abstract_train_state` describes parameters and optimizer state as sharded
@@ -22,6 +22,27 @@ from lwm.config import ModelConfig, TrainConfig
 from lwm.loss import Targets, loss_from_sums, loss_sums, target_counts
 from lwm.model import LWMModel, abstract_params
 
+OPTIMIZERS = ("adamw", "muon")
+
+
+def muon_dimension_numbers(params: nnx.State) -> nnx.State:
+    """Which parameters Muon orthogonalises, and along which axes: the matrices of the
+    transformer blocks (attention and MLP projections; with `scan_layers` stacked on a leading
+    axis that is orthogonalised per layer). Embeddings, output heads and norms get None: they
+    stay with AdamW, as in Muon's reference recipe."""
+    from optax.contrib import MuonDimensionNumbers
+
+    def numbers(path, x):
+        names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+        if names[0] != "layers":
+            return None
+        stacked = not names[1].isdigit()  # layers.attn.q [L, in, out], not layers.0.attn.q
+        if x.ndim - stacked != 2:  # a norm's weight: a vector per layer
+            return None
+        return MuonDimensionNumbers(reduction_axis=x.ndim - 2, output_axis=x.ndim - 1)
+
+    return jax.tree_util.tree_map_with_path(numbers, params)
+
 
 def make_optimizer(
     learning_rate: float = 3e-4,
@@ -34,9 +55,22 @@ def make_optimizer(
     b1: float = 0.9,
     b2: float = 0.95,
     clip_norm: float | None = 1.0,
+    optimizer: str = "adamw",
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """AdamW with linear warmup then cosine decay (or constant), the schedule of
-    `lwm.base.schedule`; norms are not decayed."""
+    """AdamW (or Muon) with linear warmup then cosine decay (or constant), the schedule of
+    `lwm.base.schedule`; norms are not decayed.
+
+    ``optimizer="muon"``: `optax.contrib.muon` on the blocks' matrices
+    (`muon_dimension_numbers`), with its updates scaled to an RMS of 0.2 per matrix (Moonshot's
+    "consistent RMS", so that one learning rate suits both), and AdamW (``b1``, ``b2``) on
+    everything else; both follow the one schedule. No weight decay with Muon."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer '{optimizer}'; choose one of {', '.join(OPTIMIZERS)}")
+    if optimizer == "muon" and weight_decay:
+        raise ValueError(
+            "train.weight_decay is not supported with train.optimizer=muon (optax's Muon would "
+            "decay the norms too); use 0"
+        )
     lr = warmup_schedule(
         learning_rate,
         warmup_steps=warmup_steps,
@@ -49,7 +83,20 @@ def make_optimizer(
         return jax.tree.map(lambda x: x.ndim >= 2, params)
 
     parts = [] if clip_norm is None else [optax.clip_by_global_norm(clip_norm)]
-    parts.append(optax.adamw(lr, b1=b1, b2=b2, weight_decay=weight_decay, mask=decay_mask))
+    if optimizer == "muon":
+        from optax.contrib import muon
+
+        parts.append(
+            muon(
+                lr,
+                adam_b1=b1,
+                adam_b2=b2,
+                consistent_rms=0.2,
+                muon_weight_dimension_numbers=muon_dimension_numbers,
+            )
+        )
+    else:
+        parts.append(optax.adamw(lr, b1=b1, b2=b2, weight_decay=weight_decay, mask=decay_mask))
     return optax.chain(*parts), lr
 
 
@@ -180,12 +227,17 @@ def abstract_train_state(cfg: ModelConfig, mesh: Mesh, tx: optax.GradientTransfo
     graphdef, params = abstract_params(cfg, mesh)
     # Optimizer moments take their parameter's sharding; counts and other scalars replicate.
     replicated = NamedSharding(mesh, P())
+    # (Muon's state holds its own and AdamW's moments, each masked to its share of the tree.)
+    masked = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731
     opt_state = optax.tree_utils.tree_map_params(
         tx,
-        lambda x, p: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=p.sharding),
+        lambda x, p: (
+            x if masked(x) else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=p.sharding)
+        ),
         jax.eval_shape(tx.init, params),
         params,
         transform_non_params=lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
+        is_leaf=masked,
     )
     return graphdef, params, opt_state
 
@@ -215,6 +267,7 @@ def optimizer_from_config(tc: TrainConfig) -> tuple[optax.GradientTransformation
         b1=tc.b1,
         b2=tc.b2,
         clip_norm=tc.clip_norm,
+        optimizer=tc.optimizer,
     )
 
 

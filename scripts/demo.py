@@ -17,7 +17,8 @@ when its output already exists, so rerunning the demo continues where it stopped
  3. `lwm tokenize`: videos + questions to an LWM token dataset (array_record); the world model
     learns the answers and, as a world model, the video tokens too;
  4. `lwm train`: the `demo` world model (configs/demo.yaml), ring attention over `sp`, zigzag
-    layout, on a (2, 1, 2, 1) mesh of 4 simulated CPU devices: first `--shapes-first-steps`
+    layout, on a (2, 1, 2, 1) mesh of 4 simulated CPU devices, with Muon on the blocks'
+    matrices (`train.optimizer=muon`; AdamW on embeddings, heads and norms): first `--shapes-first-steps`
     steps on the same videos with their shape questions only (`lwm synthetic
     --also-manifest shapes.jsonl:shape` writes that manifest next to the first, `lwm tokenize`
     encodes it), the skill it learns slowest (docs/qa.md), then `--lm-steps` on all the
@@ -109,6 +110,13 @@ def main() -> int:
         "(the same videos), then the --lm-steps from those weights (0: no such stage)",
     )
     p.add_argument(
+        "--optimizer",
+        choices=("muon", "adamw"),
+        default="muon",
+        help="the world model's optimizer in both stages (train.optimizer; default muon: "
+        "65%% -> 73%% held-out in the demo's steps, docs/qa.md)",
+    )
+    p.add_argument(
         "--platform",
         choices=("cpu", "gpu"),
         default="cpu",
@@ -181,6 +189,7 @@ def main() -> int:
             [*lwm, "train", *cpu, "--config", "configs/demo.yaml"]
             + [f"data.source={shape_tokens}", f"train.output_dir={shapes}"]
             + [f"train.steps={args.shapes_first_steps}", f"mesh.shape={args.mesh}"]
+            + [f"train.optimizer={args.optimizer}"]
             + tight_rows(shape_tokens, args.mesh),
             env=env,
         )
@@ -193,6 +202,7 @@ def main() -> int:
         + [f"data.source={tokens}", f"train.output_dir={lm}", f"train.steps={args.lm_steps}"]
         + [
             f"mesh.shape={args.mesh}",
+            f"train.optimizer={args.optimizer}",
             f"eval.manifest={held_out}",
             f"eval.every={args.eval_every or args.lm_steps}",
             *first_stage,

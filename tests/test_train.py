@@ -196,6 +196,25 @@ def test_damaged_latest_checkpoint_falls_back(tmp_path):
     assert sorted(got) == list(range(1, 10))
 
 
+def test_a_muon_run_resumes_to_the_same_losses(tmp_path):
+    """Muon's state (its momentum on the blocks' matrices, AdamW's moments on the rest, each
+    masked to its share) goes through the checkpoint: steps 4-6 redone from checkpoint 3 equal
+    the first run's."""
+    import shutil
+
+    args = ["train.steps=6", "train.save_every=3", "mesh.shape=1,2,2,2", "train.optimizer=muon"]
+    assert lwm_train_here(tmp_path, *args).returncode == 0
+    first = losses(tmp_path)
+    assert first[6] < first[1], first
+    shutil.rmtree(tmp_path / "checkpoints" / "6")
+    r = lwm_train_here(tmp_path, *args)
+    assert r.returncode == 0, r.stderr
+    assert "resumed from checkpoint 3" in r.stderr
+    got = losses(tmp_path)
+    for step in (4, 5, 6):
+        assert got[step] == first[step], (step, got[step], first[step])
+
+
 def test_non_finite_loss_stops_naming_the_step(tmp_path):
     r = lwm_train_here(
         tmp_path,

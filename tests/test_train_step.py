@@ -16,11 +16,14 @@ from lwm.model import create_model
 from lwm.train_step import abstract_batch, abstract_train_state, make_optimizer, train_step
 
 
-def test_loss_falls_on_a_repeated_batch():
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_loss_falls_on_a_repeated_batch(optimizer):
     cfg = load_config("configs/debug.yaml").model
     model = create_model(cfg)
     graphdef, params = nnx.split(model, nnx.Param)
-    tx, _ = make_optimizer(3e-3, warmup_steps=1, total_steps=30, schedule="constant")
+    tx, _ = make_optimizer(
+        3e-3, warmup_steps=1, total_steps=30, schedule="constant", optimizer=optimizer
+    )
     opt_state = tx.init(params)
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 256, (2, 32)).astype(np.int32)
@@ -47,10 +50,11 @@ def test_loss_falls_on_a_repeated_batch():
     assert np.isfinite(float(metrics["grad_norm"]))
 
 
-def test_train_step_compiles_from_abstract_sharded_state():
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_train_step_compiles_from_abstract_sharded_state(optimizer):
     cfg = load_config("configs/debug.yaml").model
     mesh = make_mesh("1,2,2,2")
-    tx, _ = make_optimizer()
+    tx, _ = make_optimizer(optimizer=optimizer)
     graphdef, params, opt_state = abstract_train_state(cfg, mesh, tx)
     batch = abstract_batch(mesh, 2, 256)
     compiled = (
@@ -61,8 +65,59 @@ def test_train_step_compiles_from_abstract_sharded_state():
     planned = memory_per_device(cfg, dict(mesh.shape))
     batch_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(batch)) // 4  # fsdp x sp
     args = compiled.memory_analysis().argument_size_in_bytes
-    # Arguments are the sharded parameters, AdamW moments and batch: nothing replicated.
+    # Arguments are the sharded parameters, AdamW moments (Muon: fewer) and batch: nothing
+    # replicated.
     assert args <= 1.1 * (planned.params + planned.optimizer + batch_bytes) + 4096, (args, planned)
+
+
+def test_muon_orthogonalises_the_block_matrices_and_leaves_the_rest_to_adamw():
+    """One step from a fresh state: each layer's slice of a block matrix moves by an
+    orthogonalised gradient (singular values near one, scaled to RMS 0.2 x lr); the
+    embeddings, heads and norms move exactly as under AdamW with the same betas (Nesterov's
+    form, as optax's Muon runs it)."""
+    import optax
+
+    from lwm.train_step import muon_dimension_numbers
+
+    cfg = load_config("configs/debug.yaml").model
+    graphdef, params = nnx.split(create_model(cfg), nnx.Param)
+    rng = np.random.default_rng(0)
+    grads = jax.tree.map(lambda p: rng.normal(size=p.shape).astype(np.float32), params)
+    lr = 1e-2
+    muon, _ = make_optimizer(lr, schedule="constant", clip_norm=None, optimizer="muon")
+    adamw = optax.adamw(lr, b1=0.9, b2=0.95, weight_decay=0.0, nesterov=True)
+    by_muon, _ = muon.update(grads, muon.init(params), params)
+    by_adamw, _ = adamw.update(grads, adamw.init(params), params)
+
+    numbers = muon_dimension_numbers(params)
+    flat = jax.tree_util.tree_leaves_with_path(
+        numbers, is_leaf=lambda x: x is None or isinstance(x, optax.contrib.MuonDimensionNumbers)
+    )
+    orthogonalised = sorted(jax.tree_util.keystr(k) for k, n in flat if n is not None)
+    assert orthogonalised == sorted(
+        f"['layers']['{name.split('.')[0]}']['{name.split('.')[1]}'].value"
+        for name in ("attn.q", "attn.k", "attn.v", "attn.o", "mlp.gate", "mlp.up", "mlp.down")
+    )
+    for (path, n), m, a in zip(
+        flat, jax.tree.leaves(by_muon), jax.tree.leaves(by_adamw), strict=True
+    ):
+        if n is None:
+            np.testing.assert_allclose(m, a, rtol=1e-5, atol=1e-9, err_msg=str(path))
+            continue
+        for layer in np.asarray(m):  # stacked: [layers, fan_in, fan_out]
+            scale = lr * 0.2 * np.sqrt(max(layer.shape))
+            sv = np.linalg.svd(-layer / scale, compute_uv=False)
+            # five Newton-Schulz steps: singular values in about [0.68, 1.13], the gradient's
+            # smallest few (a random square matrix has some near zero) not all the way up
+            assert sv.max() < 1.2 and (sv > 0.6).mean() > 0.9, (path, sv)
+    assert optax.tree.norm(by_muon) > 0
+
+
+def test_muon_refuses_weight_decay_and_unknown_optimizers_are_named():
+    with pytest.raises(ValueError, match="weight_decay is not supported with .*muon"):
+        make_optimizer(optimizer="muon", weight_decay=0.1)
+    with pytest.raises(ValueError, match="unknown optimizer 'sgd'"):
+        make_optimizer(optimizer="sgd")
 
 
 def _loss_and_grads(batch, **update):
