@@ -69,7 +69,7 @@ class FlopsPerToken(NamedTuple):
 
 class MemoryPerDevice(NamedTuple):
     params: int  # bytes, in param_dtype
-    optimizer: int  # bytes, AdamW moments in float32
+    optimizer: int  # bytes, optimizer moments in float32 (AdamW: two per parameter)
 
 
 def layer_param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
@@ -162,18 +162,25 @@ def flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> FlopsPerTok
     return FlopsPerToken(train=train, inference=2.0 * n, seq_len=s, matmul_params=n)
 
 
-def memory_per_device(cfg: ModelConfig, axis_sizes: Mapping[str, int]) -> MemoryPerDevice:
-    """Bytes of parameters and of AdamW state one device holds, sharded by the logical rules.
+def memory_per_device(
+    cfg: ModelConfig, axis_sizes: Mapping[str, int], optimizer: str = "adamw"
+) -> MemoryPerDevice:
+    """Bytes of parameters and of optimizer state one device holds, sharded by the logical
+    rules. ``optimizer`` (`TrainConfig.optimizer`): AdamW keeps two float32 moments per
+    parameter; Muon one (its momentum) for the transformer blocks' matrices, and AdamW's two for
+    the rest (`lwm.train_step.make_optimizer`).
 
     `axis_sizes` maps mesh axes to sizes (`mesh.shape`, or `mesh_axis_sizes(shape)` for a planned
     mesh). Uneven dimensions round up.
     """
     itemsize = DTYPE_BYTES[cfg.param_dtype]
     params = moments = 0
-    for spec in param_specs(cfg).values():
+    for name, spec in param_specs(cfg).items():
         pspec = logical_to_spec(spec.axes)
         params += shard_bytes(spec.shape, pspec, axis_sizes, itemsize)
-        moments += 2 * shard_bytes(spec.shape, pspec, axis_sizes, ADAM_MOMENT_BYTES)
+        block_matrix = name.startswith("layers.") and "norm" not in spec.axes
+        count = 1 if optimizer == "muon" and block_matrix else 2
+        moments += count * shard_bytes(spec.shape, pspec, axis_sizes, ADAM_MOMENT_BYTES)
     return MemoryPerDevice(params=params, optimizer=moments)
 
 

@@ -1,5 +1,5 @@
 """Training runs on disk: ``OUTPUT/config.yaml`` (the resolved config) and
-``OUTPUT/checkpoints/STEP`` (orbax: parameters, AdamW state, and JSON metadata with the step
+``OUTPUT/checkpoints/STEP`` (orbax: parameters, optimizer state, and JSON metadata with the step
 and the data loader's position). The optimizer is training's (`lwm.train_step`); this module
 only knows that the state holds ``params`` and ``opt_state``.
 

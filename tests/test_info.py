@@ -99,3 +99,8 @@ def test_per_device_bytes_shrink_with_fsdp() -> None:
         _model("7b.yaml", "model.param_dtype=bfloat16"), mesh_axis_sizes((1, 8, 1, 1))
     )
     assert bf16.params * 2 == eight.params and bf16.optimizer == eight.optimizer
+    # Muon keeps one moment for each block matrix (LLaMA-2 7B: q, k, v, o of 4096 x 4096 and
+    # gate, up, down of 4096 x 11008, 32 layers), AdamW's two for everything else.
+    matrices = 32 * (4 * 4096 * 4096 + 3 * 4096 * 11008)
+    muon = memory_per_device(model, mesh_axis_sizes((1, 1, 1, 1)), "muon")
+    assert muon.params == one.params and muon.optimizer == total * 8 - matrices * 4

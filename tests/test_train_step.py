@@ -62,11 +62,10 @@ def test_train_step_compiles_from_abstract_sharded_state(optimizer):
         .lower(params, opt_state, batch)
         .compile()
     )
-    planned = memory_per_device(cfg, dict(mesh.shape))
+    planned = memory_per_device(cfg, dict(mesh.shape), optimizer)
     batch_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(batch)) // 4  # fsdp x sp
     args = compiled.memory_analysis().argument_size_in_bytes
-    # Arguments are the sharded parameters, AdamW moments (Muon: fewer) and batch: nothing
-    # replicated.
+    # Arguments are the sharded parameters, optimizer moments and batch: nothing replicated.
     assert args <= 1.1 * (planned.params + planned.optimizer + batch_bytes) + 4096, (args, planned)
 
 

@@ -1,6 +1,7 @@
 """Describe a config without building the model: the devices JAX sees (and the attention
 kernel the config runs on them), the resolved config, parameter counts, FLOPs per token and
-per-device bytes of parameters and AdamW state on the config's mesh.
+per-device bytes of parameters and optimizer state (AdamW's, or Muon's with
+`train.optimizer=muon`) on the config's mesh.
 
   lwm info configs/7b.yaml
   lwm info configs/7b_1m.yaml mesh.shape=1,-1,32,1 --devices 256
@@ -68,7 +69,7 @@ def format_info(config: Config, source: str, axis_sizes: dict[str, int], num_dev
     model = config.model
     counts = param_counts(model)
     flops = flops_per_token(model)
-    memory = memory_per_device(model, axis_sizes)
+    memory = memory_per_device(model, axis_sizes, config.train.optimizer)
     mesh_text = " ".join(f"{axis}={axis_sizes[axis]}" for axis in MESH_AXES)
     rows = [
         f"# {source}",
@@ -83,7 +84,12 @@ def format_info(config: Config, source: str, axis_sizes: dict[str, int], num_dev
         f"  inference (2N)             {flops.inference:.3e}",
         f"per device on mesh {mesh_text} ({num_devices} device{'s' * (num_devices != 1)}):",
         _gib_row(f"parameters ({model.param_dtype})", memory.params),
-        _gib_row("AdamW state (2 x float32)", memory.optimizer),
+        _gib_row(
+            "AdamW state (2 x float32)"
+            if config.train.optimizer == "adamw"
+            else "Muon + AdamW state (float32)",
+            memory.optimizer,
+        ),
         _gib_row("total", memory.params + memory.optimizer),
     ]
     return "\n".join(rows)
