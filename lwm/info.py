@@ -26,6 +26,7 @@ __all__ = [
     "ParamCounts",
     "ParamSpec",
     "flops_per_token",
+    "is_block_matrix",
     "layer_param_specs",
     "memory_per_device",
     "param_counts",
@@ -86,6 +87,18 @@ def layer_param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
         "mlp.up": ParamSpec((h, m), ("embed", "mlp")),
         "mlp.down": ParamSpec((m, h), ("mlp", "embed")),
     }
+
+
+def is_block_matrix(name: str, ndim: int) -> bool:
+    """Whether the parameter ``name`` (a `param_specs` name: ``layers.attn.q`` stacked for
+    scanning, ``layers.0.attn.q`` not) of ``ndim`` dimensions is a weight matrix of a
+    transformer block (attention or MLP projection), not a norm's vector or an embedding or
+    head: what Muon orthogonalises (`lwm.train_step.make_optimizer`)."""
+    parts = name.split(".")
+    if parts[0] != "layers":
+        return False
+    stacked = not parts[1].isdigit()
+    return ndim - stacked == 2
 
 
 def param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
@@ -178,8 +191,7 @@ def memory_per_device(
     for name, spec in param_specs(cfg).items():
         pspec = logical_to_spec(spec.axes)
         params += shard_bytes(spec.shape, pspec, axis_sizes, itemsize)
-        block_matrix = name.startswith("layers.") and "norm" not in spec.axes
-        count = 1 if optimizer == "muon" and block_matrix else 2
+        count = 1 if optimizer == "muon" and is_block_matrix(name, len(spec.shape)) else 2
         moments += count * shard_bytes(spec.shape, pspec, axis_sizes, ADAM_MOMENT_BYTES)
     return MemoryPerDevice(params=params, optimizer=moments)
 

@@ -19,6 +19,7 @@ from data.batches import BATCH_FIELDS, WINDOW_FIELD
 from lwm.base.mesh import logical_to_spec
 from lwm.base.schedule import warmup_schedule
 from lwm.config import ModelConfig, TrainConfig
+from lwm.info import is_block_matrix
 from lwm.loss import Targets, loss_from_sums, loss_sums, target_counts
 from lwm.model import LWMModel, abstract_params
 
@@ -33,11 +34,9 @@ def muon_dimension_numbers(params: nnx.State) -> nnx.State:
     from optax.contrib import MuonDimensionNumbers
 
     def numbers(path, x):
-        names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
-        if names[0] != "layers":
-            return None
-        stacked = not names[1].isdigit()  # layers.attn.q [L, in, out], not layers.0.attn.q
-        if x.ndim - stacked != 2:  # a norm's weight: a vector per layer
+        # the `param_specs` name: the path's keys but the Variable's trailing `.value`
+        name = ".".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path[:-1])
+        if not is_block_matrix(name, x.ndim):
             return None
         return MuonDimensionNumbers(reduction_axis=x.ndim - 2, output_axis=x.ndim - 1)
 
