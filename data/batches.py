@@ -6,6 +6,12 @@ sequence layout (zigzag when the model uses ring attention). Targets are made in
 token order first (`make_training_batch`), so "next token" never crosses a document, whatever
 the layout. A loader's position is a JSON-serialisable dict (`state()` / `restore(state)`),
 saved with every checkpoint, so a resumed run sees exactly the batches it would have seen.
+
+Segment ids say which keys a query sees (`segments_see`; every attention kernel masks by it):
+plain ids (documents 1, 2, .. of a row; 0 is padding) see equal ids only. Ids made by
+`turn_segment_ids` (``TURN_FLAG | document << TURN_BITS | turn``) also let every turn of a
+document see its turn 0: a QA record's video is seen by each question, and no question sees
+another (``data.qa_turns: isolated``, `data.tokens.record_turns`).
 """
 
 from __future__ import annotations
@@ -33,6 +39,38 @@ WINDOW_FIELD = "frame_window"
 WindowSpec = tuple[tuple[int, int], int]
 
 
+# How the turns of a QA record see each other in training (`data.qa_turns`, the loader's
+# ``qa_turns``): ``chained``, each turn after the ones before it (LWM's records); ``isolated``,
+# each turn sees only the record's start (BOS, the video) and itself (`turn_segment_ids`).
+QA_TURNS = ("chained", "isolated")
+# Segment ids with turns (`turn_segment_ids`): bit 30 set, the document above TURN_BITS bits
+# of turn; plain ids (small non-negative documents, negative padding) never have it.
+TURN_FLAG = 1 << 30
+TURN_BITS = 8
+MAX_TURNS = (1 << TURN_BITS) - 1
+MAX_TURN_DOCUMENTS = 1 << (30 - TURN_BITS)
+
+
+def turn_segment_ids(document: Any, turn: Any, xp: Any = np) -> Any:
+    """Segment ids of ``turn`` (0 .. `MAX_TURNS`) of ``document`` (1 .. `MAX_TURN_DOCUMENTS`
+    - 1): equal ids see each other, and turn 0 is seen by every turn of its document."""
+    document, turn = xp.asarray(document, xp.int32), xp.asarray(turn, xp.int32)
+    return TURN_FLAG | (document << TURN_BITS) | turn
+
+
+def segments_see(q_seg: Any, kv_seg: Any) -> Any:
+    """Whether queries of segment ``q_seg`` see keys of segment ``kv_seg`` (broadcasting):
+    equal ids, or a key of turn 0 of the query's document (`turn_segment_ids`)."""
+    prefix = (kv_seg >= TURN_FLAG) & ((kv_seg & MAX_TURNS) == 0)
+    return (q_seg == kv_seg) | (prefix & ((q_seg >> TURN_BITS) == (kv_seg >> TURN_BITS)))
+
+
+def segment_documents(seg: Any, xp: Any = np) -> Any:
+    """Each segment id's document key: ids that can see each other (`segments_see`) have the
+    same key (ids without turns are their own key), so disjoint ranges of keys see nothing."""
+    return xp.where(seg >= TURN_FLAG, seg >> TURN_BITS, seg)
+
+
 class Targets(NamedTuple):
     tokens: Any  # [batch, seq] int32: the token to predict at each position
     is_vision: Any  # [batch, seq] bool: the target is a vision token
@@ -50,7 +88,8 @@ def next_token_targets(
     """Targets for every position of ``[batch, seq]`` streams in their original order.
 
     The target of position t is token t+1 when t+1 is trained (``loss_mask``) and, given
-    segment ids, in the same segment; segment id 0 is padding and never has a target.
+    segment ids, t+1 sees t (`segments_see`: the same document, and with turns the same turn
+    or t in turn 0); segment id 0 is padding and never has a target.
     ``xp`` is ``numpy`` (the data loaders build targets on the host) or ``jax.numpy``.
     """
 
@@ -59,7 +98,7 @@ def next_token_targets(
 
     weight = shift(xp.asarray(loss_mask, xp.float32), 0.0)
     if segment_ids is not None:
-        same_doc = (shift(segment_ids, -1) == segment_ids) & (segment_ids != 0)
+        same_doc = segments_see(shift(segment_ids, -1), segment_ids) & (segment_ids != 0)
         weight = weight * same_doc.astype(xp.float32)
     return Targets(
         tokens=shift(xp.asarray(tokens, xp.int32), 0),

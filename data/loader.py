@@ -10,6 +10,10 @@ Each epoch the examples are shuffled by ``(seed, epoch)`` and laid out in rows o
   dataset is in exactly one row per epoch.
 - ``pack=False``: one example per row, padded; an example longer than ``seq_len`` is truncated
   (its tail is dropped).
+- ``qa_turns="isolated"``: each document's segment ids and positions come by turn
+  (`data.tokens.record_turns`, `data.batches.turn_segment_ids`): every question turn of a QA
+  record sees the record's video and itself, at the positions right after the video, and not
+  the other turns. A later piece of a split document is one turn 0.
 
 The plan (which pieces go in which row) is computed on every host from the example lengths
 alone (``num_tokens-SPLIT.npy``, no record is decoded for it), the same on every host. Global
@@ -39,9 +43,16 @@ from typing import Any
 
 import numpy as np
 
-from data.batches import WindowSpec, make_training_batch
+from data.batches import (
+    MAX_TURN_DOCUMENTS,
+    MAX_TURNS,
+    QA_TURNS,
+    WindowSpec,
+    make_training_batch,
+    turn_segment_ids,
+)
 from data.dataset_io import read_lengths
-from data.tokens import frame_cells, frame_window, window_offsets
+from data.tokens import frame_cells, frame_window, record_turns, window_offsets
 
 __all__ = ["PackingPlan", "TokenDatasetLoader", "plan_epoch"]
 
@@ -127,9 +138,12 @@ class TokenDatasetLoader:
         window: WindowSpec | None = None,
         read_threads: int = 2,
         prefetch: int = 4,
+        qa_turns: str = "chained",
     ):
         import tensorflow_datasets as tfds
 
+        if qa_turns not in QA_TURNS:
+            raise ValueError(f"unknown qa_turns {qa_turns!r}; choose one of {', '.join(QA_TURNS)}")
         if batch_size % process_count:
             raise ValueError(
                 f"batch size {batch_size} is not divisible by the {process_count} processes"
@@ -153,7 +167,16 @@ class TokenDatasetLoader:
         self.lengths = read_lengths(path, split, self.source)
         if not self.lengths.sum():
             raise ValueError(f"dataset '{path}' split '{split}' has no tokens")
-        self.seed, self.pack = seed, pack
+        self.seed, self.pack, self.qa_turns = seed, pack, qa_turns
+        self._turn_ids: tuple[list[int], int] | None = None  # </vision> ids, EOS id
+        if qa_turns == "isolated":
+            text = self.metadata.get("text_tokenizer") or {}
+            if text.get("eos_id") is None or not text.get("vision_end"):
+                raise ValueError(
+                    f"dataset '{path}': isolated QA turns need the EOS id and the </vision> ids "
+                    "of its text tokenizer (metadata.json, text_tokenizer), which it lacks"
+                )
+            self._turn_ids = ([int(i) for i in text["vision_end"]], int(text["eos_id"]))
         self.batch_size, self.seq_len = batch_size, seq_len
         self.local_rows = batch_size // process_count
         self.first_row = process_index * self.local_rows
@@ -176,6 +199,7 @@ class TokenDatasetLoader:
             "batch": batch,
             "seed": self.seed,
             "pack": self.pack,
+            "qa_turns": self.qa_turns,
             "seq_len": self.seq_len,
             "batch_size": self.batch_size,
             "num_examples": len(self.lengths),
@@ -188,6 +212,8 @@ class TokenDatasetLoader:
         expected = self.state()
         keys = ("kind", "seed", "pack", "seq_len", "batch_size", "num_examples")
         differ = [k for k in keys if state.get(k) != expected[k]]
+        if state.get("qa_turns", "chained") != self.qa_turns:  # states before it had chained
+            differ.append("qa_turns")
         if differ:
             raise ValueError(
                 f"loader state {state} does not belong to this loader of '{self.path}' "
@@ -285,6 +311,11 @@ class TokenDatasetLoader:
         examples: dict[int, dict[str, np.ndarray]] = {}  # a long document spans rows
         for r, pieces in enumerate(rows):
             at = 0
+            if self._turn_ids is not None and len(pieces) >= MAX_TURN_DOCUMENTS:
+                raise ValueError(
+                    f"a row of {len(pieces)} documents: isolated QA turns allow at most "
+                    f"{MAX_TURN_DOCUMENTS - 1} per row"
+                )
             for segment, (ex, start, n) in enumerate(pieces, 1):
                 if ex not in examples:
                     record = self.source[ex]
@@ -294,6 +325,16 @@ class TokenDatasetLoader:
                     examples[ex]["cells"] = frame_cells(
                         examples[ex]["tokens"], examples[ex]["vision_mask"]
                     )
+                    if self._turn_ids is not None:
+                        turn, turn_pos = record_turns(
+                            examples[ex]["tokens"], examples[ex]["vision_mask"], *self._turn_ids
+                        )
+                        if turn.max() > MAX_TURNS:
+                            raise ValueError(
+                                f"record {ex} of '{self.path}' has {turn.max()} QA turns; "
+                                f"isolated QA turns allow at most {MAX_TURNS}"
+                            )
+                        examples[ex]["turn"], examples[ex]["positions"] = turn, turn_pos
                     if window is not None:  # of the whole record, as the cells
                         examples[ex]["window"] = frame_window(
                             examples[ex]["tokens"],
@@ -308,6 +349,13 @@ class TokenDatasetLoader:
                 loss[r, at : at + n] = example["loss_mask"][piece]
                 segments[r, at : at + n] = segment
                 positions[r, at : at + n] = np.arange(n)
+                if self._turn_ids is not None:
+                    # A later piece of a record longer than a row has no video before it in
+                    # its row: all of it is one turn 0, positions from 0 as without turns.
+                    turn = example["turn"][piece] if start == 0 else 0
+                    segments[r, at : at + n] = turn_segment_ids(segment, turn)
+                    if start == 0:
+                        positions[r, at : at + n] = example["positions"][piece]
                 cells[r, at : at + n] = example["cells"][piece]
                 if window is not None:
                     window[r, at : at + n] = example["window"][piece]

@@ -36,6 +36,11 @@ A caption record trains on its video too (LWM trains on both the frames and the 
 its video-text data); in a QA record the video and the questions are context (loss 0) and only
 the answers (with the EOS that ends each) are learned. The QA prompt is `qa_prompt`, so
 inference can build exactly the prompt the model was trained on.
+
+Turns (`record_turns`): the start of a record up to its ``</vision>`` is turn 0, each
+``"USER: q ASSISTANT:" " a" E`` after it turn 1, 2, ... Trained with isolated turns
+(`data.batches.turn_segment_ids`, ``data.qa_turns: isolated``), each turn sees turn 0 and
+itself, at the positions right after the video: every question is asked as `lwm ask` asks it.
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ __all__ = [
     "frame_cells",
     "frame_markers",
     "qa_prompt",
+    "record_turns",
     "qa_prompt_streams",
     "text_first",
     "text_to_video_prompt_streams",
@@ -154,6 +160,31 @@ def frame_window(
 def qa_prompt(question: str) -> str:
     """The text of a question turn; the answer follows as ``" " + answer``."""
     return f"USER: {question} ASSISTANT:"
+
+
+def record_turns(
+    tokens: np.ndarray, vision_mask: np.ndarray, vision_end: list[int], eos_id: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(turn, positions)`` int32 of one record's streams (module docstring, "Turns"): turn 0
+    up to and including the ``</vision>`` (``vision_end``) after the record's last vision
+    token, then a new turn after each text EOS; positions count on from the end of turn 0 in
+    every turn. A record without a video is all turn 0, positions ``0 .. n-1``."""
+    tokens = np.asarray(tokens)
+    text = np.where(np.asarray(vision_mask, bool), -1, tokens)  # text and vision ids overlap
+    n = len(tokens)
+    turn = np.zeros(n, np.int32)
+    positions = np.arange(n, dtype=np.int32)
+    vision = np.flatnonzero(np.asarray(vision_mask, bool))
+    end = int(vision[-1]) + 1 + len(vision_end) if len(vision) else 0
+    if not len(vision) or list(text[end - len(vision_end) : end]) != list(vision_end):
+        return turn, positions
+    after = text[end:]
+    if not len(after):
+        return turn, positions
+    turn[end:] = 1 + np.concatenate([[0], np.cumsum(after[:-1] == eos_id)])
+    starts = np.flatnonzero(np.diff(turn, prepend=turn[0]))  # the first token of each turn
+    positions[end:] -= np.repeat(starts - end, np.diff(np.append(starts, n)))
+    return turn, positions
 
 
 def vision_span(codes: np.ndarray) -> np.ndarray:

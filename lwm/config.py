@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from data.batches import QA_TURNS
 from data.tokens import EOV_ID, VISION_VOCAB_SIZE
 from lwm.base import config as base_config
 from lwm.base.config import (
@@ -213,6 +214,19 @@ class DataConfig(BaseModel):
     # each batch is read when the step asks for it)
     read_threads: Annotated[int, Field(ge=0)] = 2
     prefetch: PositiveInt = 4  # batches read ahead
+    # How the turns of a QA record see each other (`data.batches.QA_TURNS`): "chained", each
+    # after the turns before it (LWM's records); "isolated", each sees only the record's video
+    # and itself, right after the video, as `lwm ask` asks a question (a dataset source only).
+    qa_turns: Literal[QA_TURNS] = "chained"  # type: ignore[valid-type]
+
+    @model_validator(mode="after")
+    def _qa_turns_need_a_dataset(self) -> DataConfig:
+        if self.qa_turns != "chained" and self.source == "synthetic":
+            raise ValueError(
+                "qa_turns isolated needs a dataset written by `lwm tokenize` as data.source "
+                "(the synthetic source has no QA turns)"
+            )
+        return self
 
 
 class EvalConfig(BaseModel):

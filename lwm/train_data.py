@@ -43,6 +43,7 @@ def build_loader(cfg: Config, seq_len: int, layout: np.ndarray | None) -> Loader
         split=data.split,
         seed=data.shuffle_seed,
         pack=data.pack,
+        qa_turns=data.qa_turns,
         read_threads=data.read_threads,
         prefetch=data.prefetch,
         **common,

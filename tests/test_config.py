@@ -81,6 +81,15 @@ def test_muon_without_weight_decay_and_a_named_optimizer() -> None:
         load_config(DEBUG, ["train.optimizer=sgd"])
 
 
+def test_qa_turns_are_named_and_isolated_ones_need_a_dataset() -> None:
+    cfg = load_config(DEBUG, ["data.qa_turns=isolated", "data.source=/some/tokens"])
+    assert cfg.data.qa_turns == "isolated"
+    with pytest.raises(ConfigError, match="qa_turns isolated needs a dataset written by"):
+        load_config(DEBUG, ["data.qa_turns=isolated"])  # the synthetic source
+    with pytest.raises(ConfigError, match=r"'data.qa_turns': 'loose' \(expected one of 'chained'"):
+        load_config(DEBUG, ["data.qa_turns=loose"])
+
+
 def test_unknown_key_names_key_and_valid_keys() -> None:
     with pytest.raises(ConfigError) as info:
         load_config(DEBUG, ["model.not_a_field=1"])

@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from data.batches import segment_documents, segments_see
+
 # Padding keys get this position so that causal masking hides them from every real query.
 PAD_KV_POSITION = np.iinfo(np.int32).max // 2
 # Padding queries and keys get segment ids that match nothing real and not each other.
@@ -54,12 +56,14 @@ def attention_mask(
     kv_seg: jax.Array | None,
     causal: bool,
 ) -> jax.Array | None:
-    """Boolean mask ``[batch, q, kv]``: causal by position, equal segment ids. None = all True."""
+    """Boolean mask ``[batch, q, kv]``: causal by position, segments that see each other
+    (`data.batches.segments_see`: equal ids, or a key of turn 0 of the query's document).
+    None = all True."""
     mask = None
     if causal:
         mask = kv_pos[:, None, :] <= q_pos[:, :, None]
     if q_seg is not None:
-        same = q_seg[:, :, None] == kv_seg[:, None, :]
+        same = segments_see(q_seg[:, :, None], kv_seg[:, None, :])
         mask = same if mask is None else mask & same
     return mask
 
@@ -76,13 +80,14 @@ def block_is_live(q_pos, kv_pos, q_seg, kv_seg, causal: bool, xp=jnp):
 
 def _kind_from_ranges(q_lo, q_hi, k_lo, k_hi, segs, causal: bool, xp):
     """`block_kind` from the ranges of positions (and of segment ids: ``segs`` = ``(q_lo, q_hi,
-    k_lo, k_hi)`` or None) of the query and key blocks; elementwise over arrays of ranges."""
+    k_lo, k_hi)`` of the ids, then the same of their `data.batches.segment_documents`, or
+    None) of the query and key blocks; elementwise over arrays of ranges."""
     live = full = True
     if causal:
         live, full = q_hi >= k_lo, q_lo >= k_hi
     if segs is not None:
-        qs_lo, qs_hi, ks_lo, ks_hi = segs
-        overlap = (qs_hi >= ks_lo) & (ks_hi >= qs_lo)
+        qs_lo, qs_hi, ks_lo, ks_hi, qd_lo, qd_hi, kd_lo, kd_hi = segs
+        overlap = (qd_hi >= kd_lo) & (kd_hi >= qd_lo)
         same = (qs_lo == qs_hi) & (ks_lo == ks_hi) & (qs_lo == ks_lo)
         live = overlap if live is True else live & overlap
         full = same if full is True else full & same
@@ -98,7 +103,8 @@ def block_kind(q_pos, kv_pos, q_seg, kv_seg, causal: bool, xp=jnp):
     `FULL` when nothing can be masked at all, so callers can drop the branches."""
     segs = None
     if q_seg is not None:
-        segs = (xp.min(q_seg), xp.max(q_seg), xp.min(kv_seg), xp.max(kv_seg))
+        ids = (q_seg, kv_seg, segment_documents(q_seg, xp), segment_documents(kv_seg, xp))
+        segs = tuple(f(x) for x in ids for f in (xp.min, xp.max))
     ranges = (xp.min(q_pos), xp.max(q_pos), xp.min(kv_pos), xp.max(kv_pos))
     return _kind_from_ranges(*ranges, segs, causal, xp)
 
@@ -113,7 +119,9 @@ def kind_table(q_pos, q_seg, kv_pos, kv_seg, causal: bool) -> jax.Array:
 
     segs = None
     if q_seg is not None:
+        docs = (segment_documents(q_seg, jnp), segment_documents(kv_seg, jnp))
         segs = (*ranges(q_seg, "q"), *ranges(kv_seg, "k"))
+        segs += (*ranges(docs[0], "q"), *ranges(docs[1], "k"))
     kind = _kind_from_ranges(*ranges(q_pos, "q"), *ranges(kv_pos, "k"), segs, causal, jnp)
     shape = (q_pos.shape[1], q_pos.shape[0], kv_pos.shape[0])
     return jnp.broadcast_to(jnp.asarray(kind, jnp.int32), shape)

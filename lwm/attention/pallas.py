@@ -39,6 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from data.batches import segments_see
 from lwm.attention._common import DEAD, FULL, PARTIAL, kind_table
 
 F32 = jnp.float32
@@ -73,7 +74,7 @@ def _mask(qp_ref, kp_ref, qs_ref, ks_ref, causal: bool, bk: int):
     if causal:
         mask = kp_ref[:1, :] <= _lanes(qp_ref[...], bk)
     if qs_ref is not None:
-        same = _lanes(qs_ref[...], bk) == ks_ref[:1, :]
+        same = segments_see(_lanes(qs_ref[...], bk), ks_ref[:1, :])
         mask = same if mask is None else mask & same
     return mask
 
