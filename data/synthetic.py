@@ -76,7 +76,7 @@ __all__ = [
 # The kinds of question (`VideoSpec.qa_records`: one training record each, in this order).
 CATEGORIES = ("count", "count_shape", "colour", "shape", "direction", "needle")
 # How a video's questions become training records (`VideoSpec.qa_records`).
-QA_LAYOUTS = ("video", "kind")
+QA_LAYOUTS = ("video", "kind", "isolated")
 # Radius of a circle around each shape, in units of its size parameter `radius`.
 _BOUND = 1.25
 # Shape sizes and distances travelled over the whole video, as fractions of the frame size.
@@ -171,6 +171,11 @@ class VideoSpec:
           the red circle move" names what "what shape is the red one" asks): such turns are
           marked ``"learn": False`` (context only, their answers get no loss), so the answers
           learned are read from the video, not copied;
+        - ``isolated``: the record of ``video``, every answer learned: for training with
+          ``data.qa_turns: isolated``, where each turn sees the video and not the other turns,
+          so nothing can be copied or inferred from another answer (such as the colour of one
+          of two objects once the other's is known) and every question is learned as the
+          first turn, as `lwm ask` asks it;
         - ``kind``: one record per kind of question, in `CATEGORIES` order, its turns in a
           drawn order: every kind is the first turn of its record, and no answer can be read
           off an earlier turn. Six records per video hold fewer answers per video token.
@@ -211,8 +216,9 @@ class VideoSpec:
             dicts = [d for d in dicts if d["category"] in categories]
             if not dicts:
                 return []
-        if layout == "video":
-            return [_mark_given_away([dicts[i] for i in rng.permutation(len(dicts))], self)]
+        if layout in ("video", "isolated"):
+            record = [dicts[i] for i in rng.permutation(len(dicts))]
+            return [record if layout == "isolated" else _mark_given_away(record, self)]
         by_category: dict[str, list[dict[str, str]]] = {c: [] for c in CATEGORIES}
         for turn in dicts:
             by_category[turn["category"]].append(turn)

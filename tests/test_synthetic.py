@@ -116,6 +116,14 @@ def test_questions_cover_every_category_in_drawn_orders() -> None:
                     unlearned[layout] += not learned
     assert leaks["kind"] == 0 and unlearned["kind"] == 0
     assert leaks["video"] > 10 and unlearned["video"] == leaks["video"]
+    # The isolated layout (for data.qa_turns=isolated, where no turn sees another) is the
+    # video layout's record with every answer learned.
+    for spec in specs:
+        (video,) = spec.qa_records("video")
+        (isolated,) = spec.qa_records("isolated")
+        drop = [{k: v for k, v in t.items() if k != "learn"} for t in video]
+        assert [{k: v for k, v in t.items() if k != "learn"} for t in isolated] == drop
+        assert all(t["learn"] for t in isolated)
     # The counts of objects and of needles are not biased by redrawing crowded videos.
     counts = [
         len(s.objects)

@@ -62,8 +62,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--qa-records",
         choices=QA_LAYOUTS,
         default="video",
-        help="QA training records: one per video with all its turns in a drawn order "
-        "(default), or one per kind of question (no turn gives a later one's answer away)",
+        help="QA training records: video, one per video with all its turns in a drawn order "
+        "and the turns an earlier one gives away not learned (default); kind, one per kind of "
+        "question; isolated, as video with every turn learned, for training with "
+        "data.qa_turns=isolated (each turn sees the video, not the other turns)",
     )
     parser.add_argument(
         "--categories",
