@@ -18,7 +18,9 @@ when its output already exists, so rerunning the demo continues where it stopped
     learns the answers and, as a world model, the video tokens too;
  4. `lwm train`: the `demo` world model (configs/demo.yaml), ring attention over `sp`, zigzag
     layout, on a (2, 1, 2, 1) mesh of 4 simulated CPU devices, with Muon on the blocks'
-    matrices (`train.optimizer=muon`; AdamW on embeddings, heads and norms): first `--shapes-first-steps`
+    matrices (`train.optimizer=muon`; AdamW on embeddings, heads and norms) and isolated question
+    turns (`data.qa_turns=isolated`: each turn of a record sees the video and itself, as a
+    question is asked, `--qa-turns`): first `--shapes-first-steps`
     steps on the same videos with their shape questions only (`lwm synthetic
     --also-manifest shapes.jsonl:shape` writes that manifest next to the first, `lwm tokenize`
     encodes it), the skill it learns slowest (docs/qa.md), then `--lm-steps` on all the
@@ -117,6 +119,15 @@ def main() -> int:
         "65%% -> 73%% held-out in the demo's steps, docs/qa.md)",
     )
     p.add_argument(
+        "--qa-turns",
+        choices=("isolated", "chained"),
+        default="isolated",
+        help="how the question turns of a training record see each other (data.qa_turns; "
+        "default isolated: each sees the video and itself, as a question is asked, and every "
+        "answer is learned, `lwm synthetic --qa-records isolated`; chained: each sees the turns "
+        "before it, and answers an earlier turn gives away are not learned)",
+    )
+    p.add_argument(
         "--platform",
         choices=("cpu", "gpu"),
         default="cpu",
@@ -143,12 +154,15 @@ def main() -> int:
     train_videos = out / "videos" / "train" / "manifest.jsonl"
     held_out = out / "videos" / "held_out" / "manifest.jsonl"
 
+    records = "isolated" if args.qa_turns == "isolated" else "video"
+
     def videos(manifest: Path, count: int, seed: int, *extra: str) -> None:
         """`lwm synthetic` into ``manifest``'s folder (skipped when it is there)."""
         if not manifest.is_file():
             run(
                 [*lwm, "synthetic", "--out", str(manifest.parent), "--count", str(count)]
-                + ["--seed", str(seed), "--frames", str(args.frames), *WORLD, *extra],
+                + ["--seed", str(seed), "--frames", str(args.frames), *WORLD, *extra]
+                + ["--qa-records", records],
                 env=env,
             )
 
@@ -189,7 +203,7 @@ def main() -> int:
             [*lwm, "train", *cpu, "--config", "configs/demo.yaml"]
             + [f"data.source={shape_tokens}", f"train.output_dir={shapes}"]
             + [f"train.steps={args.shapes_first_steps}", f"mesh.shape={args.mesh}"]
-            + [f"train.optimizer={args.optimizer}"]
+            + [f"train.optimizer={args.optimizer}", f"data.qa_turns={args.qa_turns}"]
             + tight_rows(shape_tokens, args.mesh),
             env=env,
         )
@@ -203,6 +217,7 @@ def main() -> int:
         + [
             f"mesh.shape={args.mesh}",
             f"train.optimizer={args.optimizer}",
+            f"data.qa_turns={args.qa_turns}",
             f"eval.manifest={held_out}",
             f"eval.every={args.eval_every or args.lm_steps}",
             *first_stage,
