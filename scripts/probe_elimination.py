@@ -46,10 +46,11 @@ def main() -> None:
     p.add_argument("--model", required=True, help="run:DIR of a world model")
     p.add_argument("--manifest", required=True, type=Path, help="held-out QA manifest")
     p.add_argument("--limit", type=int, default=None, help="at most this many videos")
+    p.add_argument("--vqgan", help="VQGAN folder (default: the model's training dataset's)")
     args = p.parse_args()
     if not args.manifest.is_file():
         sys.exit(f"probe_elimination: error: no manifest {args.manifest}")
-    qa, _ = load_video_qa(args.model, log=lambda *a: None)
+    qa, _ = load_video_qa(args.model, vqgan=args.vqgan, log=lambda *a: None)
     codec, eos = qa.codec, [qa.codec.eos_id]
     videos = two_shape_videos(args.manifest)[: args.limit]
     for kind in ("colour", "shape"):
