@@ -3,7 +3,7 @@ a world model trained with ring attention on 4 (simulated) devices -> answers to
 about videos it has never seen, scored against a model that never sees them.
 
     python scripts/demo.py                      # everything under runs/demo (README: time, numbers)
-    python scripts/demo.py --out runs/long --videos 8000 --lm-steps 3000 --eval-every 500  # 86%
+    python scripts/demo.py --out runs/long --videos 8000 --lm-steps 3000 --eval-every 500  # 99%
     python scripts/demo.py --shapes-first-steps 0 --lm-steps 360   # without the shapes stage
     python scripts/demo.py --platform gpu       # on the GPU JAX finds (mesh 1,1,1,1)
 
@@ -116,7 +116,7 @@ def main() -> int:
         choices=("muon", "adamw"),
         default="muon",
         help="the world model's optimizer in both stages (train.optimizer; default muon: "
-        "65%% -> 73%% held-out in the demo's steps, docs/qa.md)",
+        "65%% -> 73%% held-out in the demo's steps with chained turns, docs/qa.md)",
     )
     p.add_argument(
         "--qa-turns",
