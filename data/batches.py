@@ -41,8 +41,9 @@ WindowSpec = tuple[tuple[int, int], int]
 
 # How the turns of a QA record see each other in training (`data.qa_turns`, the loader's
 # ``qa_turns``): ``chained``, each turn after the ones before it (LWM's records); ``isolated``,
-# each turn sees only the record's start (BOS, the video) and itself (`turn_segment_ids`).
-QA_TURNS = ("chained", "isolated")
+# each turn sees only the record's start (BOS, the video) and itself (`turn_segment_ids`);
+# ``mixed``, each epoch a drawn share of the records chained and the rest isolated.
+QA_TURNS = ("chained", "isolated", "mixed")
 # Segment ids with turns (`turn_segment_ids`): bit 30 set, the document above TURN_BITS bits
 # of turn; plain ids (small non-negative documents, negative padding) never have it.
 TURN_FLAG = 1 << 30

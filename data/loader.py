@@ -14,6 +14,10 @@ Each epoch the examples are shuffled by ``(seed, epoch)`` and laid out in rows o
   (`data.tokens.record_turns`, `data.batches.turn_segment_ids`): every question turn of a QA
   record sees the record's video and itself, at the positions right after the video, and not
   the other turns. A later piece of a split document is one turn 0.
+- ``qa_turns="mixed"``: each epoch a share ``chained_share`` of the records, drawn by
+  ``(seed, epoch)``, is chained (one turn 0, each turn after the ones before it, as `lwm chat`
+  asks) and the others isolated, so a model learns every question as the first turn and also
+  after other turns.
 
 The plan (which pieces go in which row) is computed on every host from the example lengths
 alone (``num_tokens-SPLIT.npy``, no record is decoded for it), the same on every host. Global
@@ -139,11 +143,14 @@ class TokenDatasetLoader:
         read_threads: int = 2,
         prefetch: int = 4,
         qa_turns: str = "chained",
+        chained_share: float = 0.25,
     ):
         import tensorflow_datasets as tfds
 
         if qa_turns not in QA_TURNS:
             raise ValueError(f"unknown qa_turns {qa_turns!r}; choose one of {', '.join(QA_TURNS)}")
+        if not 0.0 <= chained_share <= 1.0:
+            raise ValueError(f"chained_share {chained_share} is not in [0, 1]")
         if batch_size % process_count:
             raise ValueError(
                 f"batch size {batch_size} is not divisible by the {process_count} processes"
@@ -168,12 +175,13 @@ class TokenDatasetLoader:
         if not self.lengths.sum():
             raise ValueError(f"dataset '{path}' split '{split}' has no tokens")
         self.seed, self.pack, self.qa_turns = seed, pack, qa_turns
+        self.chained_share = float(chained_share) if qa_turns == "mixed" else None
         self._turn_ids: tuple[list[int], int] | None = None  # </vision> ids, EOS id
-        if qa_turns == "isolated":
+        if qa_turns != "chained":
             text = self.metadata.get("text_tokenizer") or {}
             if text.get("eos_id") is None or not text.get("vision_end"):
                 raise ValueError(
-                    f"dataset '{path}': isolated QA turns need the EOS id and the </vision> ids "
+                    f"dataset '{path}': {qa_turns} QA turns need the EOS id and the </vision> ids "
                     "of its text tokenizer (metadata.json, text_tokenizer), which it lacks"
                 )
             self._turn_ids = ([int(i) for i in text["vision_end"]], int(text["eos_id"]))
@@ -184,6 +192,7 @@ class TokenDatasetLoader:
         self.read_threads, self.prefetch = read_threads, prefetch
         self._lock = threading.RLock()  # plans are made once, by whichever thread needs one
         self._plans: dict[int, PackingPlan] = {}
+        self._chained: dict[int, np.ndarray] = {}
         self._epoch_starts = [0]  # global batch at which each epoch starts
         self._next = 0  # the next global batch to hand out
         self._iterator = None  # grain's, made on first use
@@ -200,6 +209,7 @@ class TokenDatasetLoader:
             "seed": self.seed,
             "pack": self.pack,
             "qa_turns": self.qa_turns,
+            "chained_share": self.chained_share,
             "seq_len": self.seq_len,
             "batch_size": self.batch_size,
             "num_examples": len(self.lengths),
@@ -214,6 +224,8 @@ class TokenDatasetLoader:
         differ = [k for k in keys if state.get(k) != expected[k]]
         if state.get("qa_turns", "chained") != self.qa_turns:  # states before it had chained
             differ.append("qa_turns")
+        if state.get("chained_share") != self.chained_share:
+            differ.append("chained_share")
         if differ:
             raise ValueError(
                 f"loader state {state} does not belong to this loader of '{self.path}' "
@@ -270,6 +282,19 @@ class TokenDatasetLoader:
                 )
             return self._plans[epoch]
 
+    def chained_records(self, epoch: int) -> np.ndarray | None:
+        """With ``qa_turns="mixed"``, which records epoch ``epoch`` keeps chained (a boolean
+        per example, a share ``chained_share`` of them drawn by ``(seed, epoch)``); else None."""
+        if self.chained_share is None:
+            return None
+        with self._lock:
+            if epoch not in self._chained:
+                if len(self._chained) >= 3:
+                    del self._chained[min(self._chained)]
+                draw = np.random.default_rng([self.seed, epoch, 1]).random(len(self.lengths))
+                self._chained[epoch] = draw < self.chained_share
+            return self._chained[epoch]
+
     def batches_in_epoch(self, epoch: int) -> int:
         return -(-self.plan(epoch).num_rows // self.batch_size)
 
@@ -295,9 +320,12 @@ class TokenDatasetLoader:
         epoch, batch = self.locate(g)
         plan = self.plan(epoch)
         first = batch * self.batch_size + self.first_row
-        return self._assemble([plan.row(first + r) for r in range(self.local_rows)])
+        rows = [plan.row(first + r) for r in range(self.local_rows)]
+        return self._assemble(rows, self.chained_records(epoch))
 
-    def _assemble(self, rows: list[list[tuple[int, int, int]]]) -> dict[str, np.ndarray]:
+    def _assemble(
+        self, rows: list[list[tuple[int, int, int]]], chained: np.ndarray | None = None
+    ) -> dict[str, np.ndarray]:
         shape = (len(rows), self.seq_len)
         tokens = np.zeros(shape, np.int32)
         vision = np.zeros(shape, np.bool_)
@@ -313,7 +341,7 @@ class TokenDatasetLoader:
             at = 0
             if self._turn_ids is not None and len(pieces) >= MAX_TURN_DOCUMENTS:
                 raise ValueError(
-                    f"a row of {len(pieces)} documents: isolated QA turns allow at most "
+                    f"a row of {len(pieces)} documents: QA turns allow at most "
                     f"{MAX_TURN_DOCUMENTS - 1} per row"
                 )
             for segment, (ex, start, n) in enumerate(pieces, 1):
@@ -332,7 +360,7 @@ class TokenDatasetLoader:
                         if turn.max() > MAX_TURNS:
                             raise ValueError(
                                 f"record {ex} of '{self.path}' has {turn.max()} QA turns; "
-                                f"isolated QA turns allow at most {MAX_TURNS}"
+                                f"QA turns allow at most {MAX_TURNS}"
                             )
                         examples[ex]["turn"], examples[ex]["positions"] = turn, turn_pos
                     if window is not None:  # of the whole record, as the cells
@@ -351,10 +379,12 @@ class TokenDatasetLoader:
                 positions[r, at : at + n] = np.arange(n)
                 if self._turn_ids is not None:
                     # A later piece of a record longer than a row has no video before it in
-                    # its row: all of it is one turn 0, positions from 0 as without turns.
-                    turn = example["turn"][piece] if start == 0 else 0
+                    # its row, and a chained record sees all of itself: one turn 0, positions
+                    # from 0 as without turns.
+                    whole = start > 0 or (chained is not None and chained[ex])
+                    turn = 0 if whole else example["turn"][piece]
                     segments[r, at : at + n] = turn_segment_ids(segment, turn)
-                    if start == 0:
+                    if not whole:
                         positions[r, at : at + n] = example["positions"][piece]
                 cells[r, at : at + n] = example["cells"][piece]
                 if window is not None:

@@ -216,15 +216,18 @@ class DataConfig(BaseModel):
     prefetch: PositiveInt = 4  # batches read ahead
     # How the turns of a QA record see each other (`data.batches.QA_TURNS`): "chained", each
     # after the turns before it (LWM's records); "isolated", each sees only the record's video
-    # and itself, right after the video, as `lwm ask` asks a question (a dataset source only).
+    # and itself, right after the video, as `lwm ask` asks a question (a dataset source only);
+    # "mixed", each epoch a drawn share `qa_chained_share` of the records chained (as `lwm chat`
+    # asks its later turns) and the others isolated.
     qa_turns: Literal[QA_TURNS] = "chained"  # type: ignore[valid-type]
+    qa_chained_share: Annotated[float, Field(ge=0, le=1)] = 0.25  # with qa_turns mixed
 
     @model_validator(mode="after")
     def _qa_turns_need_a_dataset(self) -> DataConfig:
         if self.qa_turns != "chained" and self.source == "synthetic":
             raise ValueError(
-                "qa_turns isolated needs a dataset written by `lwm tokenize` as data.source "
-                "(the synthetic source has no QA turns)"
+                f"qa_turns {self.qa_turns} needs a dataset written by `lwm tokenize` as "
+                "data.source (the synthetic source has no QA turns)"
             )
         return self
 

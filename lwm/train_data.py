@@ -44,6 +44,7 @@ def build_loader(cfg: Config, seq_len: int, layout: np.ndarray | None) -> Loader
         seed=data.shuffle_seed,
         pack=data.pack,
         qa_turns=data.qa_turns,
+        chained_share=data.qa_chained_share,
         read_threads=data.read_threads,
         prefetch=data.prefetch,
         **common,

@@ -120,12 +120,14 @@ def main() -> int:
     )
     p.add_argument(
         "--qa-turns",
-        choices=("isolated", "chained"),
+        choices=("isolated", "chained", "mixed"),
         default="isolated",
         help="how the question turns of a training record see each other (data.qa_turns; "
         "default isolated: each sees the video and itself, as a question is asked, and every "
         "answer is learned, `lwm synthetic --qa-records isolated`; chained: each sees the turns "
-        "before it, and answers an earlier turn gives away are not learned)",
+        "before it, and answers an earlier turn gives away are not learned; mixed: each epoch "
+        "a quarter of the records chained (data.qa_chained_share), every answer learned, the "
+        "rest isolated, for `lwm chat`)",
     )
     p.add_argument(
         "--platform",
@@ -154,7 +156,7 @@ def main() -> int:
     train_videos = out / "videos" / "train" / "manifest.jsonl"
     held_out = out / "videos" / "held_out" / "manifest.jsonl"
 
-    records = "isolated" if args.qa_turns == "isolated" else "video"
+    records = "video" if args.qa_turns == "chained" else "isolated"
 
     def videos(manifest: Path, count: int, seed: int, *extra: str) -> None:
         """`lwm synthetic` into ``manifest``'s folder (skipped when it is there)."""

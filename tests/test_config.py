@@ -88,6 +88,12 @@ def test_qa_turns_are_named_and_isolated_ones_need_a_dataset() -> None:
         load_config(DEBUG, ["data.qa_turns=isolated"])  # the synthetic source
     with pytest.raises(ConfigError, match=r"'data.qa_turns': 'loose' \(expected one of 'chained'"):
         load_config(DEBUG, ["data.qa_turns=loose"])
+    cfg = load_config(DEBUG, ["data.qa_turns=mixed", "data.source=/t", "data.qa_chained_share=0.5"])
+    assert (cfg.data.qa_turns, cfg.data.qa_chained_share) == ("mixed", 0.5)
+    with pytest.raises(ConfigError, match="qa_turns mixed needs a dataset written by"):
+        load_config(DEBUG, ["data.qa_turns=mixed"])
+    with pytest.raises(ConfigError, match="'data.qa_chained_share'"):
+        load_config(DEBUG, ["data.qa_turns=mixed", "data.source=/t", "data.qa_chained_share=2"])
 
 
 def test_unknown_key_names_key_and_valid_keys() -> None:

@@ -274,3 +274,64 @@ def test_attention_kernels_mask_isolated_turns_as_dense(where, monkeypatch):
             )
             mine = np.asarray(ids[see] == t)
             assert np.abs(np.asarray(alone[0, mine]) - np.asarray(out[r, see[mine]])).max() < 1e-5
+
+
+def test_mixed_turns_chain_a_drawn_share_of_the_records(codec, tmp_path):
+    """``qa_turns="mixed"``: share 0 is the isolated loader, share 1 the chained one (the same
+    tokens, positions, targets and the same attention between tokens, so the same logits);
+    in between, each epoch chains a share of the records drawn by (seed, epoch)."""
+    tokenizer = {"eos_id": codec.eos_id, "vision_end": codec.vision_end}
+    path = write_records(tmp_path / "ds", records(codec), tokenizer)
+
+    def batch(qa_turns: str, share: float = 0.5) -> dict[str, np.ndarray]:
+        ld = TokenDatasetLoader(
+            path, batch_size=1, seq_len=160, read_threads=0, qa_turns=qa_turns, chained_share=share
+        )
+        return next(iter(ld))
+
+    isolated, chained = batch("isolated"), batch("chained")
+    for k, v in batch("mixed", 0.0).items():
+        assert (v == isolated[k]).all(), k
+    mixed = batch("mixed", 1.0)
+    for k in set(chained) - {"segment_ids"}:
+        assert (mixed[k] == chained[k]).all(), k
+    seg, plain = mixed["segment_ids"][0], chained["segment_ids"][0]
+    real = plain != 0
+    assert ((seg[real] & MAX_TURNS) == 0).all() and (seg[real] >= TURN_FLAG).all()
+    assert (seg[~real] == 0).all()
+    assert (segments_see(seg[:, None], seg[None]) == (plain[:, None] == plain[None])).all()
+    model = create_model(
+        debug_cfg(attention="blockwise", block_q=16, block_k=16, text_vocab_size=4096)
+    )
+    fields = ("tokens", "vision_mask", "positions", "segment_ids")
+    got, _ = model(*(jnp.asarray(mixed[k]) for k in fields))
+    want, _ = model(*(jnp.asarray(chained[k]) for k in fields))
+    assert np.abs(np.asarray(got) - np.asarray(want)).max() <= 1e-5
+
+    # 200 records: a share of them chained, another draw each epoch, the same on every loader.
+    many = write_records(tmp_path / "many", records(codec) * 100, tokenizer)
+
+    def loader(share: float, seed: int = 0) -> TokenDatasetLoader:
+        return TokenDatasetLoader(
+            many, batch_size=2, seq_len=160, seed=seed, qa_turns="mixed", chained_share=share
+        )
+
+    first, second = loader(0.25).chained_records(0), loader(0.25).chained_records(1)
+    assert 30 <= first.sum() <= 70 and 30 <= second.sum() <= 70
+    assert (first != second).any() and (first == loader(0.25).chained_records(0)).all()
+    assert (loader(0.25, seed=1).chained_records(0) != first).any()
+    # Every document of a batch is chained (one segment id) exactly when drawn so.
+    ld = loader(0.25)
+    ld.read_threads = 0
+    b = next(iter(ld))
+    plan, drawn = ld.plan(0), ld.chained_records(0)
+    for r in range(2):
+        for doc, (ex, _, _) in enumerate(plan.row(r), 1):
+            seg = b["segment_ids"][r]
+            ids = seg[(seg >> TURN_BITS) == int(turn_segment_ids(doc, 0)) >> TURN_BITS]
+            assert len(ids)
+            assert (len(set(ids.tolist())) == 1) == bool(drawn[ex]), (r, doc)
+    with pytest.raises(ValueError, match="chained_share differ"):
+        ld.restore(loader(0.5).state())
+    with pytest.raises(ValueError, match=r"chained_share 1.5 is not in \[0, 1\]"):
+        loader(1.5)
