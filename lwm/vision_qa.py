@@ -21,7 +21,7 @@ import numpy as np
 
 from data.decode import DecodeOptions, decode_item
 from data.manifest import Item
-from data.tokens import TextCodec, qa_prompt_streams
+from data.tokens import TextCodec, qa_prompt, qa_prompt_streams, video_prompt_streams
 from lwm.generate import GREEDY, Sampling, generate, prompt_batch
 from lwm.model import LWMModel
 from lwm.qa_eval import Answer
@@ -86,8 +86,45 @@ class VideoQA:
             answers += self.answer_prompts(prompts[start : start + self.batch_size])
         return answers
 
+    def answer_in_conversations(self, pairs: Sequence[tuple[str | Path, str]]) -> list[Answer]:
+        """Answers to ``(video, question)`` pairs, each video's questions (in the order given)
+        asked one after another in one conversation about it, as `lwm chat` asks them: a
+        question follows the earlier questions and the model's own answers to them (each
+        closed by its EOS, also when cut). Turn k of every conversation is answered in one
+        pass over all of them."""
+        order: dict[str, list[int]] = {}
+        for i, (video, _) in enumerate(pairs):
+            order.setdefault(str(video), []).append(i)
+        streams = {v: video_prompt_streams(self.codec, self.codes(v)) for v in order}
+        history = {v: ([np.asarray(t)], [np.asarray(m)]) for v, (t, m) in streams.items()}
+        answers: list[Answer | None] = [None] * len(pairs)
+        eos = [] if self.codec.eos_id is None else [self.codec.eos_id]
+        for turn in range(max(len(ix) for ix in order.values())):
+            asked = [(v, ix[turn]) for v, ix in order.items() if turn < len(ix)]
+            prompts = []
+            for v, i in asked:
+                ids = np.asarray(self.codec.encode(qa_prompt(pairs[i][1])), np.int32)
+                history[v][0].append(ids)
+                history[v][1].append(np.zeros(len(ids), bool))
+                prompts.append((np.concatenate(history[v][0]), np.concatenate(history[v][1])))
+            for start in range(0, len(prompts), self.batch_size):
+                batch = asked[start : start + self.batch_size]
+                done = self._generate(prompts[start : start + self.batch_size])
+                for (v, i), (answer, generated) in zip(batch, done, strict=True):
+                    answers[i] = answer
+                    said = generated if not answer.cut else generated + eos
+                    history[v][0].append(np.asarray(said, np.int32))
+                    history[v][1].append(np.zeros(len(said), bool))
+        return answers  # type: ignore[return-value]
+
     def answer_prompts(self, prompts: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[Answer]:
         """Answers to ``(tokens, vision_mask)`` prompts (at most ``batch_size``, one batch)."""
+        return [answer for answer, _ in self._generate(prompts)]
+
+    def _generate(
+        self, prompts: Sequence[tuple[np.ndarray, np.ndarray]]
+    ) -> list[tuple[Answer, list[int]]]:
+        """Each prompt's answer and the ids generated for it (its stop token included)."""
         width = -(-max(len(t) for t, _ in prompts) // self.pad_to) * self.pad_to
         rows = max(self.batch_size, len(prompts))
         tokens, vision, lengths = prompt_batch(prompts, rows, width, self.model.mesh)
@@ -110,7 +147,7 @@ class VideoQA:
             ended = bool(stops) and bool(generated) and generated[-1] in stops
             ids = [x for x in generated if x not in stops]
             text = self.codec.tokenizer.decode(ids, skip_special_tokens=True).strip()
-            answers.append(Answer(text, cut=not ended))
+            answers.append((Answer(text, cut=not ended), generated))
         return answers
 
 

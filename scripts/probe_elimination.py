@@ -9,14 +9,13 @@ records, docs/qa.md "Isolated turns") scores far higher the second way. One JSON
 (kind, way):
 
     python scripts/probe_elimination.py --model run:runs/long/lm \\
-        --manifest runs/long/videos/held_out/manifest.jsonl
+        --videos runs/long/videos/held_out
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from pathlib import Path
 
@@ -26,33 +25,33 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from data.tokens import qa_prompt, qa_prompt_streams  # noqa: E402
 from lwm.vision_qa import load_video_qa  # noqa: E402
 
-DIRECTION = re.compile(r"Which direction does the (\w+) (\w+) move")
 
-
-def two_shape_videos(manifest: Path) -> list[tuple[Path, list[tuple[str, str]]]]:
-    """(video, [(colour, shape), (colour, shape)]) of each video of two different shapes,
-    read off its direction questions (which name each object's colour and shape)."""
+def two_shape_videos(folder: Path) -> list[tuple[Path, list[tuple[str, str]]]]:
+    """(video, [(colour, shape), (colour, shape)]) of each video of two different shapes in an
+    `lwm synthetic` folder (its ``videos.jsonl`` lists every object of every video)."""
     out = []
-    for line in manifest.read_text().splitlines():
+    for line in (folder / "videos.jsonl").read_text().splitlines():
         item = json.loads(line)
-        objects = [m.groups() for t in item["qa"] if (m := DIRECTION.match(t["question"]))]
+        objects = [(o["colour"], o["shape"]) for o in item["objects"]]
         if len(objects) == 2 and objects[0][1] != objects[1][1]:
-            out.append((manifest.parent / item["video"], objects))
+            out.append((folder / item["video"], objects))
     return out
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="run:DIR of a world model")
-    p.add_argument("--manifest", required=True, type=Path, help="held-out QA manifest")
+    p.add_argument(
+        "--videos", required=True, type=Path, help="held-out `lwm synthetic` folder (videos.jsonl)"
+    )
     p.add_argument("--limit", type=int, default=None, help="at most this many videos")
     p.add_argument("--vqgan", help="VQGAN folder (default: the model's training dataset's)")
     args = p.parse_args()
-    if not args.manifest.is_file():
-        sys.exit(f"probe_elimination: error: no manifest {args.manifest}")
+    if not (args.videos / "videos.jsonl").is_file():
+        sys.exit(f"probe_elimination: error: '{args.videos}' has no videos.jsonl (lwm synthetic)")
     qa, _ = load_video_qa(args.model, vqgan=args.vqgan, log=lambda *a: None)
     codec, eos = qa.codec, [qa.codec.eos_id]
-    videos = two_shape_videos(args.manifest)[: args.limit]
+    videos = two_shape_videos(args.videos)[: args.limit]
     for kind in ("colour", "shape"):
         first, after, gold = [], [], []
         for video, objects in videos:

@@ -295,3 +295,36 @@ def test_a_second_chat_turn_reuses_the_cache(grid, window):
     assert second.text == codec.tokenizer.decode(ids, skip_special_tokens=True).strip()
     with pytest.raises(ContextFullError, match="but the context holds 128"):
         chat.ask("Tell me everything. " * 20)
+
+
+def test_conversations_in_a_batch_equal_lwm_chat():
+    """`VideoQA.answer_in_conversations` (`lwm eval qa --chat`): each video's questions asked
+    in one conversation, turn k of all videos in one batch, answer as `ChatSession` asks them
+    one after another (cut answers closed by EOS as the chat closes them)."""
+    from data.tokens import TextCodec
+    from lwm.chat import ChatSession
+    from lwm.vision_qa import VideoQA
+
+    codec = TextCodec.load()
+    model = create_model(debug_cfg(text_vocab_size=codec.vocab_size))
+    rng = np.random.default_rng(1)
+    videos = {"a.mp4": rng.integers(0, 512, (2, 2, 2)), "b.mp4": rng.integers(0, 512, (3, 2, 2))}
+    pairs = [
+        ("a.mp4", "How many shapes move?"),
+        ("b.mp4", "What colour is the square?"),
+        ("a.mp4", "Which way does it move?"),
+        ("a.mp4", "What appeared briefly?"),
+        ("b.mp4", "What shape is the red one?"),
+    ]
+    qa = VideoQA(model, codec, None, max_new_tokens=5, batch_size=1, pad_to=16)
+    qa._codes.update(videos)  # codes as if encoded by a VQGAN
+    got = qa.answer_in_conversations(pairs)
+    chats = {
+        v: ChatSession(model, codec, c, max_context=128, prefill_chunk=16, max_new_tokens=5)
+        for v, c in videos.items()
+    }
+    want = [chats[v].ask(q) for v, q in pairs]
+    assert got == want
+    assert any(a.cut for a in want) and len({a.text for a in want}) > 1
+    # the first turn of each conversation is the question asked alone
+    assert [got[0], got[1]] == qa.answer([pairs[0], pairs[1]])

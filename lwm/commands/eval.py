@@ -17,7 +17,10 @@ with the right video, the model with another video of the set (the swap ablation
 scored against the right video's answers), and a blind baseline that never sees a video (the
 most frequent answer per question text in --train-manifest; by default the manifest the run's
 training dataset was tokenized from). One JSON line per question and condition, then a summary
-line, go to stdout (or --out); the table goes to stderr.
+line, go to stdout (or --out); the table goes to stderr. Each question is asked alone, as
+`lwm ask` asks it; with --chat each video's questions are asked in one conversation, in the
+manifest's order, each after the model's own earlier answers, as `lwm chat` asks them (in the
+swap ablation, one conversation about the other video).
 
 Videos are sampled as the run's training dataset was (its metadata) unless --max-frames/--fps
 say otherwise; --vqgan and --tokenizer default to the dataset's too. --model takes run:DIR (an
@@ -79,6 +82,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="training QA manifest for the blind baseline (default: the dataset's input)",
     )
     p.add_argument("--no-swap", action="store_true", help="skip the video-swap ablation")
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="ask each video's questions one after another in one conversation, in the "
+        "manifest's order, each after the model's own earlier answers (as `lwm chat` does; "
+        "default: each question alone, as `lwm ask` does)",
+    )
     p.add_argument("--out", help="write the JSON lines here instead of stdout")
     _SUBPARSERS["qa"] = p
 
@@ -201,7 +211,8 @@ def run(args: argparse.Namespace) -> int:
         else:
             _log("no training manifest (--train-manifest): the blind baseline is left out")
         _log(f"{len(questions)} questions about {len({q.video for q in questions})} videos")
-        report = evaluate(questions, qa.answer, blind=blind, swap=not args.no_swap)
+        answer = qa.answer_in_conversations if args.chat else qa.answer
+        report = evaluate(questions, answer, blind=blind, swap=not args.no_swap)
     except (ValueError, FileNotFoundError) as e:
         print(f"lwm eval: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
