@@ -155,6 +155,22 @@ class ModelConfig(BaseModel):
         return self.num_kv_heads * self.head_dim
 
 
+# `TrainConfig.optimizer`, `lwm.train_step.make_optimizer`
+OPTIMIZERS = ("adamw", "muon")
+
+
+def optimizer_problem(optimizer: str, weight_decay: float) -> str | None:
+    """Why ``optimizer`` with ``weight_decay`` cannot train (one line), or None."""
+    if optimizer not in OPTIMIZERS:
+        return f"unknown optimizer '{optimizer}'; choose one of {', '.join(OPTIMIZERS)}"
+    if optimizer == "muon" and weight_decay:
+        return (
+            "train.weight_decay is not supported with train.optimizer=muon (optax's Muon would "
+            "decay the norms too); set train.weight_decay=0"
+        )
+    return None
+
+
 class TrainConfig(BaseModel):
     """`lwm train`: optimisation, checkpoints and logging. Defaults of the 7B configs are LWM's."""
 
@@ -174,7 +190,7 @@ class TrainConfig(BaseModel):
     b2: float = 0.95
     # "adamw"; or "muon": Muon on the transformer blocks' matrices, AdamW on the rest
     # (`lwm.train_step.make_optimizer`)
-    optimizer: Literal["adamw", "muon"] = "adamw"
+    optimizer: Literal[OPTIMIZERS] = "adamw"  # type: ignore[valid-type]
     clip_norm: PositiveFloat | None = 1.0
     text_loss_weight: Annotated[float, Field(ge=0)] = 0.5
     vision_loss_weight: Annotated[float, Field(ge=0)] = 0.5
@@ -193,11 +209,8 @@ class TrainConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_optimizer(self) -> TrainConfig:
-        if self.optimizer == "muon" and self.weight_decay:
-            raise ValueError(
-                "weight_decay is not supported with optimizer muon (optax's Muon would decay "
-                "the norms too); set train.weight_decay=0"
-            )
+        if problem := optimizer_problem(self.optimizer, self.weight_decay):
+            raise ValueError(problem)
         return self
 
 

@@ -18,12 +18,10 @@ from jax.sharding import PartitionSpec as P
 from data.batches import BATCH_FIELDS, WINDOW_FIELD
 from lwm.base.mesh import logical_to_spec
 from lwm.base.schedule import warmup_schedule
-from lwm.config import ModelConfig, TrainConfig
+from lwm.config import ModelConfig, TrainConfig, optimizer_problem
 from lwm.info import is_block_matrix
 from lwm.loss import Targets, loss_from_sums, loss_sums, target_counts
 from lwm.model import LWMModel, abstract_params
-
-OPTIMIZERS = ("adamw", "muon")
 
 
 def muon_dimension_numbers(params: nnx.State) -> nnx.State:
@@ -63,13 +61,8 @@ def make_optimizer(
     (`muon_dimension_numbers`), with its updates scaled to an RMS of 0.2 per matrix (Moonshot's
     "consistent RMS", so that one learning rate suits both), and AdamW (``b1``, ``b2``) on
     everything else; both follow the one schedule. No weight decay with Muon."""
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"unknown optimizer '{optimizer}'; choose one of {', '.join(OPTIMIZERS)}")
-    if optimizer == "muon" and weight_decay:
-        raise ValueError(
-            "train.weight_decay is not supported with train.optimizer=muon (optax's Muon would "
-            "decay the norms too); use 0"
-        )
+    if problem := optimizer_problem(optimizer, weight_decay):
+        raise ValueError(problem)
     lr = warmup_schedule(
         learning_rate,
         warmup_steps=warmup_steps,

@@ -75,7 +75,9 @@ def test_vision_window_needs_a_grid_wider_than_it() -> None:
 
 def test_muon_without_weight_decay_and_a_named_optimizer() -> None:
     assert load_config(DEBUG, ["train.optimizer=muon"]).train.optimizer == "muon"
-    with pytest.raises(ConfigError, match="weight_decay is not supported with optimizer muon"):
+    with pytest.raises(
+        ConfigError, match="weight_decay is not supported with train.optimizer=muon"
+    ):
         load_config(DEBUG, ["train.optimizer=muon", "train.weight_decay=0.1"])
     with pytest.raises(ConfigError, match=r"'train.optimizer': 'sgd' \(expected one of 'adamw'"):
         load_config(DEBUG, ["train.optimizer=sgd"])
