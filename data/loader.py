@@ -272,28 +272,30 @@ class TokenDatasetLoader:
         """The order in which epoch ``epoch`` visits the examples."""
         return np.random.default_rng([self.seed, epoch]).permutation(len(self.lengths))
 
-    def plan(self, epoch: int) -> PackingPlan:
+    def _per_epoch(self, cache: dict[int, Any], epoch: int, make: Any) -> Any:
+        """``make()`` of epoch ``epoch``, made once (by whichever thread needs it first)."""
         with self._lock:
-            if epoch not in self._plans:
-                if len(self._plans) >= 3:  # epochs are visited in order: keep the recent ones
-                    del self._plans[min(self._plans)]
-                self._plans[epoch] = plan_epoch(
-                    self.order(epoch), self.lengths, self.seq_len, self.pack
-                )
-            return self._plans[epoch]
+            if epoch not in cache:
+                if len(cache) >= 3:  # epochs are visited in order: keep the recent ones
+                    del cache[min(cache)]
+                cache[epoch] = make()
+            return cache[epoch]
+
+    def plan(self, epoch: int) -> PackingPlan:
+        return self._per_epoch(
+            self._plans,
+            epoch,
+            lambda: plan_epoch(self.order(epoch), self.lengths, self.seq_len, self.pack),
+        )
 
     def chained_records(self, epoch: int) -> np.ndarray | None:
         """With ``qa_turns="mixed"``, which records epoch ``epoch`` keeps chained (a boolean
         per example, a share ``chained_share`` of them drawn by ``(seed, epoch)``); else None."""
-        if self.chained_share is None:
+        share = self.chained_share
+        if share is None:
             return None
-        with self._lock:
-            if epoch not in self._chained:
-                if len(self._chained) >= 3:
-                    del self._chained[min(self._chained)]
-                draw = np.random.default_rng([self.seed, epoch, 1]).random(len(self.lengths))
-                self._chained[epoch] = draw < self.chained_share
-            return self._chained[epoch]
+        rng = np.random.default_rng([self.seed, epoch, 1])
+        return self._per_epoch(self._chained, epoch, lambda: rng.random(len(self.lengths)) < share)
 
     def batches_in_epoch(self, epoch: int) -> int:
         return -(-self.plan(epoch).num_rows // self.batch_size)

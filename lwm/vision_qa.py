@@ -95,8 +95,10 @@ class VideoQA:
         order: dict[str, list[int]] = {}
         for i, (video, _) in enumerate(pairs):
             order.setdefault(str(video), []).append(i)
-        streams = {v: video_prompt_streams(self.codec, self.codes(v)) for v in order}
-        history = {v: ([np.asarray(t)], [np.asarray(m)]) for v, (t, m) in streams.items()}
+        history = {}
+        for v in order:
+            tokens, vision = video_prompt_streams(self.codec, self.codes(v))
+            history[v] = ([np.asarray(tokens)], [np.asarray(vision)])
         answers: list[Answer | None] = [None] * len(pairs)
         eos = [] if self.codec.eos_id is None else [self.codec.eos_id]
         for turn in range(max(len(ix) for ix in order.values())):
