@@ -18,6 +18,10 @@ Each epoch the examples are shuffled by ``(seed, epoch)`` and laid out in rows o
   ``(seed, epoch)``, is chained (one turn 0, each turn after the ones before it, as `lwm chat`
   asks) and the others isolated, so a model learns every question as the first turn and also
   after other turns.
+- A record's answers marked ``"learn": "alone"`` (``loss_mask`` `data.tokens.LOSS_ALONE`) are
+  learned where their turn is isolated and not where it is chained (``qa_turns="chained"``,
+  a chained record of ``mixed``, a later piece of a split record): there an earlier turn gives
+  them away (`data.tokens.loss_weight`).
 
 The plan (which pieces go in which row) is computed on every host from the example lengths
 alone (``num_tokens-SPLIT.npy``, no record is decoded for it), the same on every host. Global
@@ -56,7 +60,7 @@ from data.batches import (
     turn_segment_ids,
 )
 from data.dataset_io import read_lengths
-from data.tokens import frame_cells, frame_window, record_turns, window_offsets
+from data.tokens import frame_cells, frame_window, loss_weight, record_turns, window_offsets
 
 __all__ = ["PackingPlan", "TokenDatasetLoader", "plan_epoch"]
 
@@ -376,14 +380,14 @@ class TokenDatasetLoader:
                 piece = slice(start, start + n)
                 tokens[r, at : at + n] = example["tokens"][piece]
                 vision[r, at : at + n] = example["vision_mask"][piece]
-                loss[r, at : at + n] = example["loss_mask"][piece]
                 segments[r, at : at + n] = segment
                 positions[r, at : at + n] = np.arange(n)
+                # A later piece of a record longer than a row has no video before it in its
+                # row, and a chained record sees all of itself: one turn 0, positions from 0
+                # as without turns, and its "alone" answers not learned (`loss_weight`).
+                whole = self._turn_ids is None or start > 0 or (chained is not None and chained[ex])
+                loss[r, at : at + n] = loss_weight(example["loss_mask"][piece], whole)
                 if self._turn_ids is not None:
-                    # A later piece of a record longer than a row has no video before it in
-                    # its row, and a chained record sees all of itself: one turn 0, positions
-                    # from 0 as without turns.
-                    whole = start > 0 or (chained is not None and chained[ex])
                     turn = 0 if whole else example["turn"][piece]
                     segments[r, at : at + n] = turn_segment_ids(segment, turn)
                     if not whole:

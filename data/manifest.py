@@ -8,8 +8,10 @@ A manifest has one JSON object per line:
     {"video": "clips/c.mp4"}                                                video alone
     {"text": "Any text."}                                                   text only
 
-A ``qa`` entry may also carry ``"category"`` (for `lwm eval qa`'s table) and ``"learn": false``
-(the turn stays in the record as context but its answer is not trained on). Relative paths are
+A ``qa`` entry may also carry ``"category"`` (for `lwm eval qa`'s table) and ``"learn"``:
+``false`` (the turn stays in the record as context but its answer is not trained on) or
+``"alone"`` (its answer is trained on where the turn is asked alone, ``data.qa_turns:
+isolated``, and not where it follows the earlier turns: `data.tokens.LOSS_ALONE`). Relative paths are
 relative to the manifest's folder. A folder means every file with a video
 extension under it (recursively, sorted by path), each with the caption in a sidecar file of the
 same name ending ``.txt`` (``a.mp4`` -> ``a.txt``) where there is one. The order of the items is
@@ -51,12 +53,12 @@ class ManifestError(ValueError):
 class QATurn(NamedTuple):
     """One question about an item, its answer, optionally its category (for scoring), and
     whether its answer is learned (``learn``; False: the turn is context only, its answer gets
-    no loss)."""
+    no loss; "alone": learned only where the turn is asked alone)."""
 
     question: str
     answer: str
     category: str | None = None
-    learn: bool = True
+    learn: bool | str = True
 
 
 @dataclass(frozen=True)
@@ -147,8 +149,10 @@ def _item(row: Any, base: Path, where: str) -> Item:
             if category is not None and not isinstance(category, str):
                 raise ManifestError(f"{where}: a 'qa' entry's 'category' must be a string")
             learn = turn.get("learn", True)
-            if not isinstance(learn, bool):
-                raise ManifestError(f"{where}: a 'qa' entry's 'learn' must be true or false")
+            if not (isinstance(learn, bool) or learn == "alone"):
+                raise ManifestError(
+                    f"{where}: a 'qa' entry's 'learn' must be true, false or \"alone\""
+                )
             pairs.append(QATurn(turn["question"], turn["answer"], category, learn))
         pairs = tuple(pairs)
     if not media:

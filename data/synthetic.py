@@ -63,6 +63,7 @@ __all__ = [
     "PALETTE",
     "SHAPES",
     "MovingShape",
+    "NARROWED_BY",
     "Needle",
     "VideoSpec",
     "render_frames",
@@ -77,6 +78,19 @@ __all__ = [
 CATEGORIES = ("count", "count_shape", "colour", "shape", "direction", "needle")
 # How a video's questions become training records (`VideoSpec.qa_records`).
 QA_LAYOUTS = ("video", "kind", "isolated")
+# Which earlier turns of a record narrow the answers a turn can have, by category: an earlier
+# count_shape answer bounds the count, the colour of one object excludes it for the other
+# (colours are distinct) and for the needle, a "moving circle" asked about means a circle
+# moves, and so on. A direction is drawn for each object on its own, so nothing narrows it.
+# The isolated layout marks such turns ``"learn": "alone"`` (`qa_records`).
+NARROWED_BY: dict[str, frozenset[str]] = {
+    "count": frozenset({"count_shape", "colour", "shape", "direction"}),
+    "count_shape": frozenset({"count", "count_shape", "colour", "shape", "direction"}),
+    "colour": frozenset({"colour", "shape", "direction", "needle"}),
+    "shape": frozenset({"count_shape", "colour", "shape", "direction"}),
+    "direction": frozenset(),
+    "needle": frozenset({"colour", "shape", "direction"}),
+}
 # Radius of a circle around each shape, in units of its size parameter `radius`.
 _BOUND = 1.25
 # Shape sizes and distances travelled over the whole video, as fractions of the frame size.
@@ -171,11 +185,15 @@ class VideoSpec:
           the red circle move" names what "what shape is the red one" asks): such turns are
           marked ``"learn": False`` (context only, their answers get no loss), so the answers
           learned are read from the video, not copied;
-        - ``isolated``: the record of ``video``, every answer learned: for training with
-          ``data.qa_turns: isolated``, where each turn sees the video and not the other turns,
-          so nothing can be copied or inferred from another answer (such as the colour of one
-          of two objects once the other's is known) and every question is learned as the
-          first turn, as `lwm ask` asks it;
+        - ``isolated``: the record of ``video``, every answer learned where its turn is asked
+          alone: for training with ``data.qa_turns: isolated``, where each turn sees the video
+          and not the other turns, so nothing can be copied or inferred from another answer
+          (such as the colour of one of two objects once the other's is known) and every
+          question is learned as the first turn, as `lwm ask` asks it. A later turn that an
+          earlier one narrows (`NARROWED_BY`) is marked ``"learn": "alone"``: where the record
+          is chained (the chained share of ``data.qa_turns: mixed``) it is context only, so
+          the answers learned after other turns (every direction, and the turns nothing
+          before narrows) are read from the video, not inferred;
         - ``kind``: one record per kind of question, in `CATEGORIES` order, its turns in a
           drawn order: every kind is the first turn of its record, and no answer can be read
           off an earlier turn. Six records per video hold fewer answers per video token.
@@ -218,7 +236,8 @@ class VideoSpec:
                 return []
         if layout in ("video", "isolated"):
             record = [dicts[i] for i in rng.permutation(len(dicts))]
-            return [record if layout == "isolated" else _mark_given_away(record, self)]
+            mark = _mark_narrowed if layout == "isolated" else _mark_given_away
+            return [mark(record, self)]
         by_category: dict[str, list[dict[str, str]]] = {c: [] for c in CATEGORIES}
         for turn in dicts:
             by_category[turn["category"]].append(turn)
@@ -244,6 +263,15 @@ def _check_categories(categories: tuple[str, ...] | None) -> None:
         raise ValueError(
             f"unknown question categories {', '.join(unknown)}; known: {', '.join(CATEGORIES)}"
         )
+
+
+def _mark_narrowed(record: list[dict[str, Any]], spec: VideoSpec) -> list[dict[str, Any]]:
+    """``record`` with ``"learn": "alone"`` on each turn whose answers an earlier turn's
+    category narrows (`NARROWED_BY`)."""
+    for k, turn in enumerate(record):
+        if any(t["category"] in NARROWED_BY.get(turn["category"], ()) for t in record[:k]):
+            turn["learn"] = "alone"
+    return record
 
 
 def _mark_given_away(record: list[dict[str, Any]], spec: VideoSpec) -> list[dict[str, Any]]:

@@ -26,7 +26,11 @@ video, no text B <vision> V </vision> E                                   everyt
 text only      B text E                                                   everything but B
 ============== ========================================================== ====================
 
-(*) except the answers of turns marked ``"learn": false`` (context only).
+(*) except the answers of turns marked ``"learn": false`` (context only); the answers of turns
+marked ``"learn": "alone"`` have loss_mask `LOSS_ALONE` (2): learned where the turn is asked
+alone (``data.qa_turns: isolated``) and not where it follows the record's earlier turns
+(``chained``, and the chained share of ``mixed``), because an earlier turn gives it away or
+narrows it (`data.synthetic`). Every reader of ``loss_mask`` goes through `loss_weight`.
 
 Caption-first records (``text_first=True``; `lwm tokenize --text-first-ratio`) teach the model
 to continue a caption with its video: text-to-video generation prompts with
@@ -53,6 +57,8 @@ import numpy as np
 __all__ = [
     "EOF_ID",
     "EOV_ID",
+    "LEARN_VALUES",
+    "LOSS_ALONE",
     "NUM_CODES",
     "VISION_END",
     "VISION_START",
@@ -62,6 +68,7 @@ __all__ = [
     "build_example",
     "frame_cells",
     "frame_markers",
+    "loss_weight",
     "qa_prompt",
     "qa_prompt_streams",
     "record_turns",
@@ -76,6 +83,18 @@ EOV_ID = 8193  # end of the video, after the last frame
 VISION_VOCAB_SIZE = 8448  # codes + markers, padded
 VISION_START = "<vision>"
 VISION_END = "</vision>"
+# loss_mask of an answer learned only where its turn is asked alone (``"learn": "alone"``).
+LOSS_ALONE = 2
+# What a QA turn's ``"learn"`` may be: learned, context only, learned only when asked alone.
+LEARN_VALUES = (True, False, "alone")
+
+
+def loss_weight(loss_mask: Any, chained: Any = False, xp: Any = np) -> Any:
+    """The training weight (0 or 1, float32) of each position of a record's ``loss_mask``:
+    1 where it is 1, and where it is `LOSS_ALONE` unless the position's turn follows the
+    record's earlier turns (``chained``, broadcast against ``loss_mask``)."""
+    m = xp.asarray(loss_mask)
+    return ((m == 1) | ((m == LOSS_ALONE) & ~xp.asarray(chained, bool))).astype(xp.float32)
 
 
 def frame_markers() -> dict[str, int]:
@@ -265,7 +284,7 @@ class Example:
     vision: list[bool] = field(default_factory=list)
     loss: list[int] = field(default_factory=list)
 
-    def add(self, ids: Any, *, vision: bool, loss: bool) -> None:
+    def add(self, ids: Any, *, vision: bool, loss: bool | int) -> None:
         ids = [int(i) for i in ids]
         self.tokens += ids
         self.vision += [vision] * len(ids)
@@ -360,8 +379,11 @@ def build_example(
     if qa is not None:
         for turn in qa:
             ex.add(codec.encode(qa_prompt(turn["question"])), vision=False, loss=False)
-            learn = bool(turn.get("learn", True))
-            ex.add(codec.encode(" " + turn["answer"]) + eos, vision=False, loss=learn)
+            learn = turn.get("learn", True)
+            if learn not in LEARN_VALUES:
+                raise ValueError(f"a QA turn's 'learn' is {learn!r}; use true, false or 'alone'")
+            loss = LOSS_ALONE if learn == "alone" else int(learn)
+            ex.add(codec.encode(" " + turn["answer"]) + eos, vision=False, loss=loss)
     else:
         if text:
             ex.add(codec.encode(text), vision=False, loss=True)

@@ -60,6 +60,12 @@ def records(codec):
     return [build_example(codec, video(i), qa=qa) for i, qa in enumerate(QA)]
 
 
+def records_with(codec, learn):
+    """`records` with the second turn of each marked ``"learn": learn``."""
+    marked = [[{**t, "learn": learn} if k == 1 else t for k, t in enumerate(r)] for r in QA]
+    return [build_example(codec, video(i), qa=qa) for i, qa in enumerate(marked)]
+
+
 def test_record_turns_are_the_turns_of_the_record(codec):
     """Turn 0 of a QA record, then turn k, are the record of turn k alone (as `lwm ask` would
     prompt it, and the answer), token for token, at the same positions."""
@@ -335,3 +341,58 @@ def test_mixed_turns_chain_a_drawn_share_of_the_records(codec, tmp_path):
         ld.restore(loader(0.5).state())
     with pytest.raises(ValueError, match=r"chained_share 1.5 is not in \[0, 1\]"):
         loader(1.5)
+
+
+def test_answers_learned_alone_weigh_only_where_their_turn_is_isolated(codec, tmp_path):
+    """A turn marked ``"learn": "alone"`` is learned as an ordinary turn with isolated turns and
+    as a context-only turn (``"learn": false``) with chained ones; with mixed turns, one or the
+    other by whether its record was drawn chained. Every other field is unchanged."""
+    tokenizer = {"eos_id": codec.eos_id, "vision_end": codec.vision_end}
+
+    def dataset(name: str, learn, copies: int = 1):
+        return write_records(tmp_path / name, records_with(codec, learn) * copies, tokenizer)
+
+    def batch(path, qa_turns: str, share: float = 0.5) -> dict[str, np.ndarray]:
+        ld = TokenDatasetLoader(
+            path, batch_size=1, seq_len=160, read_threads=0, qa_turns=qa_turns, chained_share=share
+        )
+        return next(iter(ld))
+
+    alone, learned, context = dataset("alone", "alone"), dataset("on", True), dataset("off", False)
+    for qa_turns, share, same_as in [
+        ("isolated", 0.5, learned),
+        ("chained", 0.5, context),
+        ("mixed", 0.0, learned),
+        ("mixed", 1.0, context),
+    ]:
+        got, want = batch(alone, qa_turns, share), batch(same_as, qa_turns, share)
+        for k in want:
+            assert (got[k] == want[k]).all(), (qa_turns, share, k)
+    assert (
+        batch(learned, "isolated")["target_weight"] != batch(context, "isolated")["target_weight"]
+    ).any()
+    # Mixed, 200 records: a record's "alone" answer weighs exactly when it is not drawn.
+    masks = [r["loss_mask"] for r in records_with(codec, "alone")]
+    as_isolated = [int((m[1:] > 0).sum()) for m in masks]
+    as_chained = [int((m[1:] == 1).sum()) for m in masks]
+    assert all(c < i for c, i in zip(as_chained, as_isolated, strict=True))
+    ld = TokenDatasetLoader(
+        dataset("many", "alone", copies=100),
+        batch_size=2,
+        seq_len=160,
+        read_threads=0,
+        qa_turns="mixed",
+        chained_share=0.5,
+    )
+    plan, drawn = ld.plan(0), ld.chained_records(0)
+    seen = []
+    for g in range(4):
+        b = ld.read(g)
+        for r in range(2):
+            seg, weight = b["segment_ids"][r], b["target_weight"][r]
+            for doc, (ex, _, _) in enumerate(plan.row(2 * g + r), 1):
+                in_doc = (seg >> TURN_BITS) == int(turn_segment_ids(doc, 0)) >> TURN_BITS
+                want = (as_chained if drawn[ex] else as_isolated)[ex % 2]
+                assert int(weight[in_doc].sum()) == want, (g, r, doc)
+                seen.append(bool(drawn[ex]))
+    assert set(seen) == {True, False}

@@ -116,14 +116,33 @@ def test_questions_cover_every_category_in_drawn_orders() -> None:
                     unlearned[layout] += not learned
     assert leaks["kind"] == 0 and unlearned["kind"] == 0
     assert leaks["video"] > 10 and unlearned["video"] == leaks["video"]
-    # The isolated layout (for data.qa_turns=isolated, where no turn sees another) is the
-    # video layout's record with every answer learned.
+    # The isolated layout (for data.qa_turns=isolated, where no turn sees another, or mixed)
+    # is the video layout's record with every answer learned when asked alone; where chained,
+    # the turns an earlier one narrows are not: every turn the video layout does not learn
+    # (given away), the shape of one of two objects after the other's colour or shape, a
+    # count after any count_shape; never the first turn nor a direction.
+    alone = {c: 0 for c in ("given away", "shape", "count")}
     for spec in specs:
         (video,) = spec.qa_records("video")
         (isolated,) = spec.qa_records("isolated")
         drop = [{k: v for k, v in t.items() if k != "learn"} for t in video]
         assert [{k: v for k, v in t.items() if k != "learn"} for t in isolated] == drop
-        assert all(t["learn"] for t in isolated)
+        assert all(t["learn"] in (True, "alone") for t in isolated)
+        assert isolated[0]["learn"] is True
+        for i, (v, t) in enumerate(zip(video, isolated, strict=True)):
+            before = {u["category"] for u in isolated[:i]}
+            if t["category"] == "direction":
+                assert t["learn"] is True
+            if not v["learn"]:
+                assert t["learn"] == "alone"
+                alone["given away"] += 1
+            if t["category"] == "shape" and before & {"colour", "shape"}:
+                assert t["learn"] == "alone"
+                alone["shape"] += 1
+            if t["category"] == "count" and "count_shape" in before:
+                assert t["learn"] == "alone"
+                alone["count"] += 1
+    assert min(alone.values()) > 5, alone
     # The counts of objects and of needles are not biased by redrawing crowded videos.
     counts = [
         len(s.objects)

@@ -13,10 +13,12 @@ from data.manifest import Item, ManifestError, QATurn, read_inputs
 from data.tokens import (
     EOF_ID,
     EOV_ID,
+    LOSS_ALONE,
     TextCodec,
     build_example,
     frame_cells,
     frame_window,
+    loss_weight,
     text_first,
     text_to_video_prompt_streams,
     vision_span,
@@ -161,6 +163,19 @@ def test_qa_record(codec):
     assert ex2["tokens"].tolist() == t.tolist()
     trained = codec.tokenizer.decode(t[ex2["loss_mask"] == 1], skip_special_tokens=False)
     assert trained == " red</s>"
+    # "learn": "alone": the same tokens, its answer and EOS marked LOSS_ALONE, which weigh 1
+    # where the turn is asked alone and 0 where it follows earlier turns
+    qa[0]["learn"] = "alone"
+    ex3 = build_example(codec, codes, qa=qa)
+    assert ex3["tokens"].tolist() == t.tolist()
+    assert set(np.unique(ex3["loss_mask"]).tolist()) == {0, 1, LOSS_ALONE}
+    alone = codec.tokenizer.decode(t[ex3["loss_mask"] == LOSS_ALONE], skip_special_tokens=False)
+    assert alone == " two</s>"
+    assert (loss_weight(ex3["loss_mask"]) == loss).all()
+    assert (loss_weight(ex3["loss_mask"], chained=True) == ex2["loss_mask"]).all()
+    qa[0]["learn"] = "yes"
+    with pytest.raises(ValueError, match="'learn' is 'yes'; use true, false or 'alone'"):
+        build_example(codec, codes, qa=qa)
 
 
 def test_text_only_and_bare_video_records(codec):
@@ -186,6 +201,7 @@ def test_manifest_lines_and_relative_paths(tmp_path):
         {"video": "v/a.mp4", "text": "cap"},
         {"video": "/abs/b.mp4", "qa": [{"question": "q", "answer": "a"}]},
         {"video": "c.mp4", "qa": [{"question": "q", "answer": "a", "learn": False}]},
+        {"video": "d.mp4", "qa": [{"question": "q", "answer": "a", "learn": "alone"}]},
         {"image": "i.png"},
         {"text": "just text"},
     ]
@@ -196,6 +212,7 @@ def test_manifest_lines_and_relative_paths(tmp_path):
         Item("video", str(tmp_path / "v/a.mp4"), text="cap"),
         Item("video", "/abs/b.mp4", qa=(QATurn("q", "a"),)),
         Item("video", str(tmp_path / "c.mp4"), qa=(QATurn("q", "a", learn=False),)),
+        Item("video", str(tmp_path / "d.mp4"), qa=(QATurn("q", "a", learn="alone"),)),
         Item("image", str(tmp_path / "i.png")),
         Item("text", None, text="just text"),
     ]
@@ -205,7 +222,7 @@ def test_manifest_lines_and_relative_paths(tmp_path):
         ('{"video": "a.mp4", "qa": [{"question": "q"}]}', "'question' and 'answer'"),
         (
             '{"video": "a.mp4", "qa": [{"question": "q", "answer": "a", "learn": 0}]}',
-            "'learn' must be true or false",
+            "'learn' must be true, false or \"alone\"",
         ),
         ("[1]", "expected a JSON object"),
     ]:

@@ -64,8 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="video",
         help="QA training records: video, one per video with all its turns in a drawn order "
         "and the turns an earlier one gives away not learned (default); kind, one per kind of "
-        "question; isolated, as video with every turn learned, for training with "
-        "data.qa_turns=isolated (each turn sees the video, not the other turns) or mixed",
+        "question; isolated, as video with every turn learned when asked alone, for training "
+        "with data.qa_turns=isolated (each turn sees the video, not the other turns) or mixed "
+        "(the turns an earlier one narrows are marked learn: alone, not learned when chained)",
     )
     parser.add_argument(
         "--categories",
