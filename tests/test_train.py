@@ -310,6 +310,7 @@ def test_codebook_init_puts_codes_that_look_alike_close(tmp_path):
     """train.vision_embed_init=codebook: the rows of the VQGAN's codes are a linear image of
     its codebook (rank = the code dimension), at the scale of a random initialisation, with
     distances that follow the codebook's; every other parameter is the random initialisation."""
+    from flax import nnx
     from tokenize_helpers import save_tiny_vqgan
 
     import vqgan
@@ -341,10 +342,10 @@ def test_codebook_init_puts_codes_that_look_alike_close(tmp_path):
     near = np.linalg.norm(standard[i] - standard[j], axis=1)
     embedded = np.linalg.norm(rows[i] - rows[j], axis=1)
     assert np.corrcoef(near, embedded)[0, 1] > 0.8
-    before = dict(fresh.flat_state())
+    before = dict(nnx.to_flat_state(fresh))
     others = [
         np.array_equal(np.asarray(x[...]), np.asarray(before[path][...]))
-        for path, x in params.flat_state()
+        for path, x in nnx.to_flat_state(params)
         if path != ("embed_vision",)
     ]
     assert len(others) > 5 and all(others)
