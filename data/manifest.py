@@ -27,6 +27,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from data.tokens import LEARN_ALONE
+
 __all__ = ["VIDEO_SUFFIXES", "Item", "ManifestError", "QATurn", "read_inputs"]
 
 VIDEO_SUFFIXES = (
@@ -149,7 +151,7 @@ def _item(row: Any, base: Path, where: str) -> Item:
             if category is not None and not isinstance(category, str):
                 raise ManifestError(f"{where}: a 'qa' entry's 'category' must be a string")
             learn = turn.get("learn", True)
-            if not (isinstance(learn, bool) or learn == "alone"):
+            if not (isinstance(learn, bool) or learn == LEARN_ALONE):
                 raise ManifestError(
                     f"{where}: a 'qa' entry's 'learn' must be true, false or \"alone\""
                 )

@@ -52,6 +52,7 @@ from data.synthetic_check import (
     observe,
     question_category,
 )
+from data.tokens import LEARN_ALONE
 from lwm.base.files import write_jsonl
 
 __all__ = [
@@ -270,7 +271,7 @@ def _mark_narrowed(record: list[dict[str, Any]], spec: VideoSpec) -> list[dict[s
     category narrows (`NARROWED_BY`)."""
     for k, turn in enumerate(record):
         if any(t["category"] in NARROWED_BY.get(turn["category"], ()) for t in record[:k]):
-            turn["learn"] = "alone"
+            turn["learn"] = LEARN_ALONE
     return record
 
 

@@ -57,7 +57,7 @@ import numpy as np
 __all__ = [
     "EOF_ID",
     "EOV_ID",
-    "LEARN_VALUES",
+    "LEARN_ALONE",
     "LOSS_ALONE",
     "NUM_CODES",
     "VISION_END",
@@ -85,8 +85,9 @@ VISION_START = "<vision>"
 VISION_END = "</vision>"
 # loss_mask of an answer learned only where its turn is asked alone (``"learn": "alone"``).
 LOSS_ALONE = 2
-# What a QA turn's ``"learn"`` may be: learned, context only, learned only when asked alone.
-LEARN_VALUES = (True, False, "alone")
+# A QA turn's ``"learn"`` is true (learned), false (context only) or this (learned only when
+# the turn is asked alone).
+LEARN_ALONE = "alone"
 
 
 def loss_weight(loss_mask: Any, chained: Any = False, xp: Any = np) -> Any:
@@ -380,9 +381,9 @@ def build_example(
         for turn in qa:
             ex.add(codec.encode(qa_prompt(turn["question"])), vision=False, loss=False)
             learn = turn.get("learn", True)
-            if learn not in LEARN_VALUES:
+            if not (isinstance(learn, bool) or learn == LEARN_ALONE):
                 raise ValueError(f"a QA turn's 'learn' is {learn!r}; use true, false or 'alone'")
-            loss = LOSS_ALONE if learn == "alone" else int(learn)
+            loss = LOSS_ALONE if learn == LEARN_ALONE else int(learn)
             ex.add(codec.encode(" " + turn["answer"]) + eos, vision=False, loss=loss)
     else:
         if text:
