@@ -10,7 +10,8 @@ fits before renting the hardware.
 
 Prints one JSON line with the compiler's per-device sizes (arguments, outputs, temporaries,
 generated code), its cost analysis (FLOPs and bytes accessed) and the parameter / optimizer
-bytes per device. ``model.attention_kernel=pallas`` compiles the Pallas block kernels (for a
+bytes per device. The optimizer is the config's ``train.optimizer`` (AdamW unless set; e.g.
+``train.optimizer=muon``). ``model.attention_kernel=pallas`` compiles the Pallas block kernels (for a
 TPU topology: the Mosaic compiler in libtpu checks them).
 """
 
@@ -74,7 +75,7 @@ def main() -> int:
     seq = args.seq or model_cfg.max_seq_len
     if seq > model_cfg.max_seq_len:
         model_cfg = model_cfg.model_copy(update={"max_seq_len": seq})
-    tx, _ = make_optimizer()
+    tx, _ = make_optimizer(optimizer=cfg.train.optimizer, weight_decay=cfg.train.weight_decay)
     t0 = time.perf_counter()
     graphdef, params, opt_state = abstract_train_state(model_cfg, mesh, tx)
     from data.tokens import window_offsets
@@ -90,7 +91,7 @@ def main() -> int:
     cost = compiled.cost_analysis() or {}
     if isinstance(cost, list):  # older JAX: one dict per computation
         cost = cost[0] if cost else {}
-    planned = memory_per_device(model_cfg, dict(mesh.shape))
+    planned = memory_per_device(model_cfg, dict(mesh.shape), cfg.train.optimizer)
     gib = 2**30
     record = {
         "bench": "aot_compile",
@@ -110,8 +111,9 @@ def main() -> int:
         "temp_gib": round(mem.temp_size_in_bytes / gib, 3),
         "code_gib": round(mem.generated_code_size_in_bytes / gib, 3),
         "alias_gib": round(mem.alias_size_in_bytes / gib, 3),
+        "optimizer": cfg.train.optimizer,
         "params_gib_planned": round(planned.params / gib, 3),
-        "adam_gib_planned": round(planned.optimizer / gib, 3),
+        "optimizer_gib_planned": round(planned.optimizer / gib, 3),
         # XLA's cost analysis of the step, per device; a Pallas kernel counts what its
         # cost estimate says (every tile, an upper bound).
         "tflops": round(cost.get("flops", 0.0) / 1e12, 3),
