@@ -78,12 +78,12 @@ __all__ = [
 # The kinds of question (`VideoSpec.qa_records`: one training record each, in this order).
 CATEGORIES = ("count", "count_shape", "colour", "shape", "direction", "needle")
 # How a video's questions become training records (`VideoSpec.qa_records`).
-QA_LAYOUTS = ("video", "kind", "isolated")
+QA_LAYOUTS = ("video", "kind", "isolated", "alone")
 # Which earlier turns of a record narrow the answers a turn can have, by category: an earlier
 # count_shape answer bounds the count, the colour of one object excludes it for the other
 # (colours are distinct) and for the needle, a "moving circle" asked about means a circle
 # moves, and so on. A direction is drawn for each object on its own, so nothing narrows it.
-# The isolated layout marks such turns ``"learn": "alone"`` (`qa_records`).
+# The alone layout marks such turns ``"learn": "alone"`` (`qa_records`).
 NARROWED_BY: dict[str, frozenset[str]] = {
     "count": frozenset({"count_shape", "colour", "shape", "direction"}),
     "count_shape": frozenset({"count", "count_shape", "colour", "shape", "direction"}),
@@ -186,15 +186,18 @@ class VideoSpec:
           the red circle move" names what "what shape is the red one" asks): such turns are
           marked ``"learn": False`` (context only, their answers get no loss), so the answers
           learned are read from the video, not copied;
-        - ``isolated``: the record of ``video``, every answer learned where its turn is asked
-          alone: for training with ``data.qa_turns: isolated``, where each turn sees the video
-          and not the other turns, so nothing can be copied or inferred from another answer
-          (such as the colour of one of two objects once the other's is known) and every
-          question is learned as the first turn, as `lwm ask` asks it. A later turn that an
-          earlier one narrows (`NARROWED_BY`) is marked ``"learn": "alone"``: where the record
-          is chained (the chained share of ``data.qa_turns: mixed``) it is context only, so
-          the answers learned after other turns (every direction, and the turns nothing
-          before narrows) are read from the video, not inferred;
+        - ``isolated``: the record of ``video`` with every answer learned: for training with
+          ``data.qa_turns: isolated``, where each turn sees the video and not the other turns,
+          so nothing can be copied or inferred from another answer (such as the colour of one
+          of two objects once the other's is known) and every question is learned as the
+          first turn, as `lwm ask` asks it, or ``mixed`` (a share of records chained);
+        - ``alone``: the record of ``isolated``, but a later turn that an earlier one narrows
+          (`NARROWED_BY`) is marked ``"learn": "alone"``: where the record is chained (the
+          chained share of ``data.qa_turns: mixed``) it is context only, so the answers
+          learned after other turns (every direction, and the turns nothing before narrows)
+          are read from the video, not inferred. Measured against ``isolated`` under
+          ``mixed`` in docs/qa.md ("Answers learned only when asked alone"): it does not make
+          conversations better;
         - ``kind``: one record per kind of question, in `CATEGORIES` order, its turns in a
           drawn order: every kind is the first turn of its record, and no answer can be read
           off an earlier turn. Six records per video hold fewer answers per video token.
@@ -235,9 +238,11 @@ class VideoSpec:
             dicts = [d for d in dicts if d["category"] in categories]
             if not dicts:
                 return []
-        if layout in ("video", "isolated"):
+        if layout in ("video", "isolated", "alone"):
             record = [dicts[i] for i in rng.permutation(len(dicts))]
-            mark = _mark_narrowed if layout == "isolated" else _mark_given_away
+            if layout == "isolated":
+                return [record]
+            mark = _mark_narrowed if layout == "alone" else _mark_given_away
             return [mark(record, self)]
         by_category: dict[str, list[dict[str, str]]] = {c: [] for c in CATEGORIES}
         for turn in dicts:

@@ -120,14 +120,15 @@ def main() -> int:
     )
     p.add_argument(
         "--qa-turns",
-        choices=("isolated", "chained", "mixed"),
+        choices=("isolated", "chained", "mixed", "mixed-alone"),
         default="isolated",
         help="how the question turns of a training record see each other (data.qa_turns; "
         "default isolated: each sees the video and itself, as a question is asked, and every "
         "answer is learned, `lwm synthetic --qa-records isolated`; chained: each sees the turns "
         "before it, and answers an earlier turn gives away are not learned; mixed: each epoch "
         "a quarter of the records chained (data.qa_chained_share), every answer learned, the "
-        "rest isolated, for `lwm chat`)",
+        "rest isolated, for `lwm chat`; mixed-alone: as mixed, but in chained records the "
+        "turns an earlier one narrows are context only, `lwm synthetic --qa-records alone`)",
     )
     p.add_argument(
         "--platform",
@@ -156,7 +157,8 @@ def main() -> int:
     train_videos = out / "videos" / "train" / "manifest.jsonl"
     held_out = out / "videos" / "held_out" / "manifest.jsonl"
 
-    records = "video" if args.qa_turns == "chained" else "isolated"
+    records = {"chained": "video", "mixed-alone": "alone"}.get(args.qa_turns, "isolated")
+    qa_turns = "mixed" if args.qa_turns == "mixed-alone" else args.qa_turns
 
     def videos(manifest: Path, count: int, seed: int, *extra: str) -> None:
         """`lwm synthetic` into ``manifest``'s folder (skipped when it is there)."""
@@ -205,7 +207,7 @@ def main() -> int:
             [*lwm, "train", *cpu, "--config", "configs/demo.yaml"]
             + [f"data.source={shape_tokens}", f"train.output_dir={shapes}"]
             + [f"train.steps={args.shapes_first_steps}", f"mesh.shape={args.mesh}"]
-            + [f"train.optimizer={args.optimizer}", f"data.qa_turns={args.qa_turns}"]
+            + [f"train.optimizer={args.optimizer}", f"data.qa_turns={qa_turns}"]
             + tight_rows(shape_tokens, args.mesh),
             env=env,
         )
@@ -219,7 +221,7 @@ def main() -> int:
         + [
             f"mesh.shape={args.mesh}",
             f"train.optimizer={args.optimizer}",
-            f"data.qa_turns={args.qa_turns}",
+            f"data.qa_turns={qa_turns}",
             f"eval.manifest={held_out}",
             f"eval.every={args.eval_every or args.lm_steps}",
             *first_stage,

@@ -117,20 +117,24 @@ def test_questions_cover_every_category_in_drawn_orders() -> None:
     assert leaks["kind"] == 0 and unlearned["kind"] == 0
     assert leaks["video"] > 10 and unlearned["video"] == leaks["video"]
     # The isolated layout (for data.qa_turns=isolated, where no turn sees another, or mixed)
-    # is the video layout's record with every answer learned when asked alone; where chained,
-    # the turns an earlier one narrows are not: every turn the video layout does not learn
-    # (given away), the shape of one of two objects after the other's colour or shape, a
-    # count after any count_shape; never the first turn nor a direction.
+    # is the video layout's record with every answer learned. The alone layout is the same
+    # record with the turns an earlier one narrows learned only when asked alone (context
+    # where chained): every turn the video layout does not learn (given away), the shape of
+    # one of two objects after the other's colour or shape, a count after any count_shape;
+    # never the first turn nor a direction.
     alone = {c: 0 for c in ("given away", "shape", "count")}
     for spec in specs:
         (video,) = spec.qa_records("video")
         (isolated,) = spec.qa_records("isolated")
+        (marked,) = spec.qa_records("alone")
         drop = [{k: v for k, v in t.items() if k != "learn"} for t in video]
         assert [{k: v for k, v in t.items() if k != "learn"} for t in isolated] == drop
-        assert all(t["learn"] in (True, "alone") for t in isolated)
-        assert isolated[0]["learn"] is True
-        for i, (v, t) in enumerate(zip(video, isolated, strict=True)):
-            before = {u["category"] for u in isolated[:i]}
+        assert [{k: v for k, v in t.items() if k != "learn"} for t in marked] == drop
+        assert all(t["learn"] is True for t in isolated)
+        assert all(t["learn"] in (True, "alone") for t in marked)
+        assert marked[0]["learn"] is True
+        for i, (v, t) in enumerate(zip(video, marked, strict=True)):
+            before = {u["category"] for u in marked[:i]}
             if t["category"] == "direction":
                 assert t["learn"] is True
             if not v["learn"]:

@@ -64,9 +64,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="video",
         help="QA training records: video, one per video with all its turns in a drawn order "
         "and the turns an earlier one gives away not learned (default); kind, one per kind of "
-        "question; isolated, as video with every turn learned when asked alone, for training "
-        "with data.qa_turns=isolated (each turn sees the video, not the other turns) or mixed "
-        "(the turns an earlier one narrows are marked learn: alone, not learned when chained)",
+        "question; isolated, as video with every turn learned, for training with "
+        "data.qa_turns=isolated (each turn sees the video, not the other turns) or mixed; "
+        "alone, as isolated with the turns an earlier one narrows marked learn: alone (not "
+        "learned where data.qa_turns=mixed chains the record)",
     )
     parser.add_argument(
         "--categories",
