@@ -54,6 +54,7 @@ import numpy as np
 from data.batches import (
     MAX_TURN_DOCUMENTS,
     MAX_TURNS,
+    QA_CHAINED_SHARE,
     QA_TURNS,
     WindowSpec,
     make_training_batch,
@@ -147,7 +148,7 @@ class TokenDatasetLoader:
         read_threads: int = 2,
         prefetch: int = 4,
         qa_turns: str = "chained",
-        chained_share: float = 0.25,
+        chained_share: float = QA_CHAINED_SHARE,
     ):
         import tensorflow_datasets as tfds
 

@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from data.batches import QA_TURNS
+from data.batches import QA_CHAINED_SHARE, QA_TURNS
 from data.tokens import EOV_ID, VISION_VOCAB_SIZE
 from lwm.base import config as base_config
 from lwm.base.config import (
@@ -233,7 +233,7 @@ class DataConfig(BaseModel):
     # "mixed", each epoch a drawn share `qa_chained_share` of the records chained (as `lwm chat`
     # asks its later turns) and the others isolated.
     qa_turns: Literal[QA_TURNS] = "chained"  # type: ignore[valid-type]
-    qa_chained_share: Annotated[float, Field(ge=0, le=1)] = 0.25  # with qa_turns mixed
+    qa_chained_share: Annotated[float, Field(ge=0, le=1)] = QA_CHAINED_SHARE  # with mixed
 
     @model_validator(mode="after")
     def _qa_turns_need_a_dataset(self) -> DataConfig:

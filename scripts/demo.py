@@ -126,7 +126,7 @@ def main() -> int:
         "default isolated: each sees the video and itself, as a question is asked, and every "
         "answer is learned, `lwm synthetic --qa-records isolated`; chained: each sees the turns "
         "before it, and answers an earlier turn gives away are not learned; mixed: each epoch "
-        "a quarter of the records chained (data.qa_chained_share), every answer learned, the "
+        "a tenth of the records chained (data.qa_chained_share), every answer learned, the "
         "rest isolated, for `lwm chat`; mixed-alone: as mixed, but in chained records the "
         "turns an earlier one narrows are context only, `lwm synthetic --qa-records alone`)",
     )
