@@ -17,7 +17,7 @@ when its output already exists, so rerunning the demo continues where it stopped
  3. `lwm tokenize`: videos + questions to an LWM token dataset (array_record); the world model
     learns the answers and, as a world model, the video tokens too;
  4. `lwm train`: the `demo` world model (configs/demo.yaml), ring attention over `sp`, zigzag
-    layout, on a (2, 1, 2, 1) mesh of 4 simulated CPU devices, with Muon on the blocks'
+    layout, on a (1, 1, 2, 1) mesh of 2 simulated CPU devices, with Muon on the blocks'
     matrices (`train.optimizer=muon`; AdamW on embeddings, heads and norms) and isolated question
     turns (`data.qa_turns=isolated`: each turn of a record sees the video and itself, as a
     question is asked, `--qa-turns`): first `--shapes-first-steps`
