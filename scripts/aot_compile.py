@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
@@ -42,21 +41,16 @@ def _parse() -> argparse.Namespace:
 
 def main() -> int:
     args = _parse()
-    if args.topology is None:
-        os.environ["XLA_FLAGS"] = (
-            os.environ.get("XLA_FLAGS", "")
-            + f" --xla_force_host_platform_device_count={args.cpu_devices}"
-        ).strip()
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
     import jax
 
-    from lwm.base.mesh import MeshError, check_batch_fits, make_mesh
+    from lwm.base.mesh import MeshError, check_batch_fits, make_mesh, use_cpu_devices
     from lwm.config import ConfigError, load_config
     from lwm.info import memory_per_device
     from lwm.train_step import abstract_batch, abstract_train_state, jit_train_step, make_optimizer
 
     try:
+        if args.topology is None:
+            use_cpu_devices(args.cpu_devices)  # before anything asks JAX for its devices
         cfg = load_config(args.config, args.overrides)
         if args.topology is not None:
             from jax.experimental import topologies

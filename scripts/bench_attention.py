@@ -42,55 +42,36 @@ the kernel's OOM killer would otherwise take the whole process.
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import statistics
 import sys
+import time
+import types
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-def _early_platform(argv: list[str]) -> str:
-    """``--platform`` read before JAX is imported (it decides the devices JAX starts with)."""
-    for i, arg in enumerate(argv):
-        if arg == "--platform" and i + 1 < len(argv):
-            return argv[i + 1]
-        if arg.startswith("--platform="):
-            return arg.split("=", 1)[1]
-    return "cpu"
-
-
-PLATFORM = _early_platform(sys.argv[1:])
-if PLATFORM == "gpu":
-    os.environ.setdefault("JAX_PLATFORMS", "cuda")
-else:
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # never probe an installed libtpu
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-import types  # noqa: E402
-from collections.abc import Callable, Sequence  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
-from functools import partial  # noqa: E402
-from typing import Any  # noqa: E402
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-from lwm.attention import (  # noqa: E402
+from lwm.attention import (
     attention_flops,
     blockwise_attention,
     dense_attention,
     ring_attention,
 )
-from lwm.attention.layout import zigzag_permutation  # noqa: E402
+from lwm.attention.layout import zigzag_permutation
+from lwm.base.mesh import MeshError, use_platform
 
 # The case's shape; on a GPU (``--platform gpu``) main() sets the devices JAX sees, and the
 # defaults become LWM-7B's attention (32 heads of 128) in bfloat16.
+PLATFORM = "cpu"  # --platform, set by main()
 DEVICES = 8
 BATCH = 1
 HEADS = 8
@@ -717,8 +698,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    global DEVICES, HEADS, HEAD_DIM, DTYPE, KERNEL
+    global PLATFORM, DEVICES, HEADS, HEAD_DIM, DTYPE, KERNEL
     args = parse_args(argv)
+    try:
+        use_platform(args.platform)  # before anything asks JAX for its devices
+    except MeshError as e:
+        raise SystemExit(f"bench_attention: error: {e}") from None
+    PLATFORM = args.platform
     if args.impls is None:
         args.impls = list(GPU_IMPLS if args.platform == "gpu" else CPU_IMPLS)
     if args.platform == "cpu" and {"ours-cudnn", "cudnn"} & set(args.impls):

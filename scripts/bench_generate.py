@@ -15,27 +15,20 @@ needs, at lengths too long to prefill on this machine in reasonable time).
 
 from __future__ import annotations
 
-import os
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lwm.base.mesh import make_mesh  # noqa: E402
+from lwm.base.mesh import make_mesh, use_cpu_devices  # noqa: E402
 from lwm.config import load_config  # noqa: E402
 from lwm.generate import decode_step, prefill_chunked  # noqa: E402
 from lwm.model import create_model  # noqa: E402
@@ -114,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         help="compile the prefill and report its memory per device, without running it",
     )
     args = p.parse_args(argv)
+    use_cpu_devices(8)  # before anything asks JAX for its devices
     cfg = load_config(args.config).model
     for sp in (int(s) for s in args.sp.split(",")):
         for length in (int(n) for n in args.lengths.split(",")):

@@ -23,37 +23,23 @@ dtype (bf16 for the 7b sizes: a GPU's bf16 tensor-core rate).
 
 from __future__ import annotations
 
-import os
+import argparse
+import json
+import statistics
 import sys
+import time
 
-_args = sys.argv[1:]
-_gpu = "--platform=gpu" in _args or any(
-    a == "--platform" and b == "gpu" for a, b in zip(_args, _args[1:], strict=False)
-)
-if _gpu:  # decided before JAX is imported: it picks the devices JAX starts with
-    os.environ.setdefault("JAX_PLATFORMS", "cuda")
-else:
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import jax
+import numpy as np
+from flax import nnx
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-
-from data.batches import SyntheticTokenLoader  # noqa: E402
-from lwm.attention.layout import zigzag_permutation  # noqa: E402
-from lwm.base.mesh import make_mesh  # noqa: E402
-from lwm.config import load_config  # noqa: E402
-from lwm.info import flops_per_token, measure_peak_flops, param_counts  # noqa: E402
-from lwm.model import create_model  # noqa: E402
-from lwm.train_step import (  # noqa: E402
+from data.batches import SyntheticTokenLoader
+from lwm.attention.layout import zigzag_permutation
+from lwm.base.mesh import MeshError, make_mesh, use_platform
+from lwm.config import load_config
+from lwm.info import flops_per_token, measure_peak_flops, param_counts
+from lwm.model import create_model
+from lwm.train_step import (
     abstract_train_state,
     batch_sharding,
     jit_train_step,
@@ -216,6 +202,11 @@ def main() -> int:
         "synthetic loader's short packed documents",
     )
     args = p.parse_args()
+    try:
+        use_platform(args.platform)  # before anything asks JAX for its devices
+    except MeshError as e:
+        print(f"bench_train: error: {e}", file=sys.stderr)
+        return 2
     if args.cudnn_piece:
         import lwm.attention.cudnn
 

@@ -1,5 +1,10 @@
 """Mesh shapes, the logical axis rules, and shardings on 8 simulated CPU devices."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,7 +22,10 @@ from lwm.base.mesh import (
     parse_mesh_shape,
     shard_bytes,
     shard_shape,
+    use_platform,
 )
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize(
@@ -117,3 +125,25 @@ def test_shard_shape_rounds_up_for_planned_meshes() -> None:
     assert shard_shape((4096, 32001), spec, sizes) == (512, 8001)
     assert shard_bytes((4096, 32001), spec, sizes, 2) == 512 * 8001 * 2
     assert shard_shape((3, 5), PartitionSpec(), sizes) == (3, 5)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks the errors of a CPU host")
+def test_use_platform_errors_are_one_line() -> None:
+    """Late or unknown platforms are refused by name; a benchmark asked for a GPU on a host
+    without CUDA exits non-zero with one line (no traceback) before it measures anything."""
+    with pytest.raises(MeshError, match="--platform gpu: JAX has already started on cpu"):
+        use_platform("gpu")
+    with pytest.raises(MeshError, match="--platform tpu: expected cpu or gpu"):
+        use_platform("tpu")
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    for script in ("bench_train.py", "bench_attention.py"):
+        run = subprocess.run(
+            [sys.executable, str(ROOT / "scripts" / script), "--platform", "gpu"],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
+        lines = run.stderr.strip().splitlines()
+        assert run.returncode != 0 and run.stdout == "", (script, run.stdout, run.stderr)
+        assert len(lines) == 1 and "--platform gpu: JAX finds no CUDA GPU" in lines[0], lines

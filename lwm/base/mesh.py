@@ -21,6 +21,7 @@ __all__ = [
     "shard_bytes",
     "shard_shape",
     "use_cpu_devices",
+    "use_platform",
 ]
 
 MESH_AXES: tuple[str, str, str, str] = ("dp", "fsdp", "sp", "tp")
@@ -81,6 +82,29 @@ def use_cpu_devices(count: int) -> None:
             f"--cpu-devices {count}: JAX has already started with "
             f"{len(jax.devices())} device(s); the CPU devices must be set before it starts"
         ) from None
+
+
+def use_platform(platform: str, cpu_devices: int = 8) -> None:
+    """Pick the devices JAX starts with, as the benchmark scripts' ``--platform`` does: ``gpu``
+    the NVIDIA GPUs (CUDA), ``cpu`` `cpu_devices` simulated devices of the host CPU (never an
+    installed libtpu). It must come before anything asks JAX for its devices; ``gpu`` starts
+    JAX (a host without a CUDA GPU is a `MeshError`)."""
+    if platform == "cpu":
+        use_cpu_devices(cpu_devices)
+        return
+    if platform != "gpu":
+        raise MeshError(f"--platform {platform}: expected cpu or gpu")
+    jax.config.update("jax_platforms", "cuda")  # no effect once JAX has started: checked below
+    try:
+        started = jax.devices()[0].platform
+    except (RuntimeError, AssertionError) as e:  # JAX 0.10 asserts when no CUDA plugin is installed
+        why = str(e).splitlines()[0] if str(e) else "no CUDA plugin: pip install -e '.[cuda12]'"
+        raise MeshError(f"--platform gpu: JAX finds no CUDA GPU ({why})") from None
+    if started != "gpu":
+        raise MeshError(
+            f"--platform gpu: JAX has already started on {started}; the platform must be set "
+            "before it starts"
+        )
 
 
 def parse_mesh_shape(spec: str | Sequence[int], num_devices: int) -> tuple[int, int, int, int]:
