@@ -69,14 +69,21 @@ class ShardWriter:
 
         self.path = Path(path)
         self._tmp = self.path.with_name(f".{self.path.name}.tmp")
+        from tensorflow_datasets.core.example_serializer import ExampleSerializer
+
         self._features = features()
+        self._serializer = ExampleSerializer(self._features.get_serialized_info())
         # group_size:1 is what tfds writes for random access.
         self._writer = ArrayRecordWriter(str(self._tmp), "group_size:1")
         self.count = 0
         self.num_bytes = 0
 
     def write(self, example: dict[str, Any]) -> None:
-        data = self._features.serialize_example(example)
+        # What `features().serialize_example` writes, with the proto's feature map in sorted
+        # order: protobuf orders map entries differently in every process otherwise, and the
+        # same records would make other bytes on every run.
+        proto = self._serializer.get_tf_example(self._features.encode_example(example))
+        data = proto.SerializeToString(deterministic=True)
         self._writer.write(data)
         self.count += 1
         self.num_bytes += len(data)
