@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -181,6 +182,16 @@ def bench_one(
     }
 
 
+def cpu_devices_for(mesh: str) -> int:
+    """How many simulated CPU devices ``--mesh`` asks for: the product of its sizes (8 where one
+    is -1 or the text is no mesh; `make_mesh` then names the problem)."""
+    try:
+        sizes = [int(s) for s in mesh.split(",")]
+    except ValueError:
+        return 8
+    return math.prod(sizes) if sizes and min(sizes) > 0 else 8
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="small,tiny")
@@ -203,7 +214,11 @@ def main() -> int:
     )
     args = p.parse_args()
     try:
-        use_platform(args.platform)  # before anything asks JAX for its devices
+        # before anything asks JAX for its devices; on a CPU, as many as the mesh has
+        use_platform(args.platform, cpu_devices=cpu_devices_for(args.mesh))
+        if args.platform == "gpu" and args.mesh == "1,1,8,1":
+            args.mesh = f"1,1,{jax.device_count()},1"
+        mesh = make_mesh(args.mesh)
     except MeshError as e:
         print(f"bench_train: error: {e}", file=sys.stderr)
         return 2
@@ -211,9 +226,6 @@ def main() -> int:
         import lwm.attention.cudnn
 
         lwm.attention.cudnn.PIECE = args.cudnn_piece
-    if args.platform == "gpu" and args.mesh == "1,1,8,1":
-        args.mesh = f"1,1,{jax.device_count()},1"
-    mesh = make_mesh(args.mesh)
     dtypes = {load_config(SIZES[s][0]).model.dtype for s in args.sizes.split(",")}
     peaks = {}
     for dtype in sorted(dtypes):

@@ -147,3 +147,14 @@ def test_use_platform_errors_are_one_line() -> None:
         lines = run.stderr.strip().splitlines()
         assert run.returncode != 0 and run.stdout == "", (script, run.stdout, run.stderr)
         assert len(lines) == 1 and "--platform gpu: JAX finds no CUDA GPU" in lines[0], lines
+    # a mesh the simulated CPU devices cannot form: one line, nothing measured
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_train.py"), "--mesh", "2,1,2"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == 2 and run.stdout == "", (run.stdout, run.stderr)
+    assert len(lines) == 1 and "mesh shape '2,1,2' must have 4" in lines[0], lines
