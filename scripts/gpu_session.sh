@@ -28,18 +28,19 @@
 #
 #   bash scripts/gpu_session.sh demo        # the demo on one GPU, timed
 #
+# Before the first device call, here on the CPU (no wheels needed, about 2 minutes):
+#
+#   PYTHON=.venv/bin/python bash scripts/gpu_session.sh check
+#
+# runs the attention and train parts' commands at small sizes with the packages the H200 image
+# lacks and nothing carries (tensorflow-datasets, grain, array_record, decord, PyAV, ...) made
+# unimportable, so an import that only the demo's packages satisfy fails here, not there.
+#
 # Every step writes its log under $OUT (what comes back); the last lines of each are printed.
 set -uo pipefail
-part=${1:?usage: gpu_session.sh attention|train|train_more|demo}
+part=${1:?usage: gpu_session.sh check|attention|train|train_more|demo}
 out=${OUT:-/tmp/gpu_session}
 mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-if [ "$part" = demo ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl-demo/* || exit 1
-fi
-export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda
 
 step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $out/NAME.log
     local name=$1 limit=$2
@@ -49,6 +50,49 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $out/NAM
     echo "== $name: rc=$? in $((SECONDS - t0)) s"
     tail -n 4 "$out/$name.log" | cut -c1-400
 }
+
+if [ "$part" = check ]; then
+    py=${PYTHON:-python3}
+    block=$(mktemp -d)
+    cat >"$block/sitecustomize.py" <<'PY'
+import importlib.abc
+import sys
+
+MISSING = {"array_record", "av", "decord", "docstring_parser", "grain", "immutabledict",
+           "portpicker", "promise", "simple_parsing", "tensorflow_datasets",
+           "tensorflow_metadata", "termcolor", "toml", "tree"}
+
+
+class Missing(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in MISSING:
+            raise ImportError(f"not on the H200 image: {name}")
+        return None
+
+
+sys.meta_path.insert(0, Missing())
+PY
+    export PYTHONPATH="$block:$PWD" PYTHONUNBUFFERED=1 JAX_PLATFORMS=cpu
+    step check_info 120 "$py" -m lwm info configs/tiny.yaml model.attention_kernel=auto
+    step check_parity 300 "$py" -m pytest -q -p no:cacheprovider tests/test_cudnn_attention.py
+    step check_bench_attention 300 "$py" scripts/bench_attention.py --platform cpu --seqs 512 \
+        --impls ours --check --check-seq 512 --check-block 64 --repeats 1
+    step check_bench_train 300 "$py" scripts/bench_train.py --platform cpu --sizes tiny \
+        --seqs 256 --attention blockwise --kernels xla,cudnn --one-document --repeats 1 \
+        --mesh 1,1,1,1
+    rm -rf "$out/check_tiny"
+    step check_tiny 300 "$py" -m lwm train --config configs/tiny.yaml train.steps=2 \
+        train.output_dir="$out/check_tiny" model.attention_kernel=auto
+    rm -rf "$block"
+    exit 0
+fi
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+if [ "$part" = demo ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl-demo/* || exit 1
+fi
+export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
