@@ -82,7 +82,7 @@ PY
         --mesh 1,1,1,1
     rm -rf "$out/check_tiny"
     step check_tiny 300 "$py" -m lwm train --config configs/tiny.yaml train.steps=2 \
-        train.output_dir="$out/check_tiny" model.attention_kernel=auto
+        train.output_dir="$out/check_tiny" train.batch_size=1 model.attention_kernel=auto
     rm -rf "$block"
     exit 0
 fi
