@@ -214,20 +214,59 @@ def train_step(
     return params, opt_state, metrics
 
 
+def layers_sharding(sharding: NamedSharding, num_layers: int) -> NamedSharding:
+    """The sharding of Muon's momentum for a stacked block matrix ``[layers, rows, cols]`` of
+    ``sharding``: split by layer over the mesh axes (of size > 1, as many as divide
+    ``num_layers``), each layer's matrix whole on its device. Muon orthogonalises every layer's
+    matrix whole (Newton-Schulz), so with the momentum split by layer each device runs it on its
+    own layers without collectives inside (`docs/aot.md`)."""
+    mesh = sharding.mesh
+    chosen, size = [], 1
+    for axis, n in mesh.shape.items():
+        if n > 1 and num_layers % (size * n) == 0:
+            chosen.append(axis)
+            size *= n
+    if not chosen:
+        return sharding
+
+    def rest(entry):
+        axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        kept = tuple(a for a in axes if a not in chosen)
+        return kept[0] if len(kept) == 1 else (kept or None)
+
+    spec = tuple(sharding.spec) + (None,) * (3 - len(sharding.spec))
+    lead = chosen[0] if len(chosen) == 1 else tuple(chosen)
+    return NamedSharding(mesh, P(lead, *(rest(e) for e in spec[1:])))
+
+
 def abstract_train_state(cfg: ModelConfig, mesh: Mesh, tx: optax.GradientTransformation):
     """(graphdef, params, opt_state) with `jax.ShapeDtypeStruct` leaves carrying shardings."""
     graphdef, params = abstract_params(cfg, mesh)
-    # Optimizer moments take their parameter's sharding; counts and other scalars replicate.
+    # Optimizer moments take their parameter's sharding, but for Muon's momentum of stacked
+    # block matrices split by layer as well (`layers_sharding`); counts and other scalars
+    # replicate. (Muon's state holds its own and AdamW's moments, each masked to its share of
+    # the tree: a block matrix has only Muon's.)
     replicated = NamedSharding(mesh, P())
-    # (Muon's state holds its own and AdamW's moments, each masked to its share of the tree.)
     masked = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731
+    numbers = muon_dimension_numbers(params)
+
+    def state_sharding(p, n):
+        stacked = n is not None and p.ndim == 3 and cfg.scan_layers
+        return layers_sharding(p.sharding, p.shape[0]) if stacked else p.sharding
+
+    moments = jax.tree.map(
+        lambda p, n: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=state_sharding(p, n)),
+        params,
+        numbers,
+        is_leaf=lambda x: x is None or isinstance(x, jax.ShapeDtypeStruct),
+    )
     opt_state = optax.tree_utils.tree_map_params(
         tx,
         lambda x, p: (
             x if masked(x) else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=p.sharding)
         ),
         jax.eval_shape(tx.init, params),
-        params,
+        moments,
         transform_non_params=lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
         is_leaf=masked,
     )

@@ -240,3 +240,36 @@ def test_one_schedule_warms_up_linearly_then_decays_by_cosine():
     for step in range(16):
         assert float(lm(step)) == pytest.approx(float(lr(step)))
         assert float(vq(step)) == pytest.approx(float(lr(step)))
+
+
+def test_muon_momentum_is_split_by_layer_with_whole_matrices():
+    """Muon's momentum of a stacked block matrix is split over the mesh by layer, each device
+    holding its layers' matrices whole (Newton-Schulz needs them whole); AdamW's moments and
+    parameters keep the parameters' sharding. On (1,2,2,2) with 4 layers: fsdp x sp = 4 ways by
+    layer, tp stays on its matrix axis."""
+    from lwm.train_step import layers_sharding
+
+    cfg = load_config("configs/debug.yaml").model.model_copy(update={"num_layers": 4})
+    mesh = make_mesh("1,2,2,2")
+    tx, _ = make_optimizer(optimizer="muon")
+    _, params, opt_state = abstract_train_state(cfg, mesh, tx)
+    muon_mu = opt_state[1].inner_states["muon"].inner_state[0].mu
+    by_path = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(params)}
+    checked = 0
+    for path, mu in jax.tree_util.tree_leaves_with_path(muon_mu):
+        if mu.ndim != 3:
+            continue
+        p = by_path[jax.tree_util.keystr(path)]
+        shard = mu.sharding.shard_shape(mu.shape)
+        assert shard[0] == 1, (jax.tree_util.keystr(path), mu.sharding.spec)
+        spec = tuple(mu.sharding.spec)
+        assert spec[0] == ("fsdp", "sp") and sorted(map(str, spec[1:])) == ["None", "tp"], spec
+        tp_axis = spec.index("tp")
+        whole = 3 - tp_axis  # the matrix axis that tp does not split: on every device whole
+        assert shard[whole] == mu.shape[whole] and shard[tp_axis] * 2 == mu.shape[tp_axis]
+        assert p.sharding.spec[0] is None  # the parameter itself is not split by layer
+        checked += 1
+    assert checked == 7  # q, k, v, o, gate, up, down
+    # a layer count no mesh axis divides keeps the parameter's sharding
+    one = jax.tree.leaves(params["layers"]["attn"]["q"])[0].sharding
+    assert layers_sharding(one, 3) == one
