@@ -216,10 +216,12 @@ def train_step(
 
 def layers_sharding(sharding: NamedSharding, num_layers: int) -> NamedSharding:
     """The sharding of Muon's momentum for a stacked block matrix ``[layers, rows, cols]`` of
-    ``sharding``: split by layer over the mesh axes (of size > 1, as many as divide
-    ``num_layers``), each layer's matrix whole on its device. Muon orthogonalises every layer's
-    matrix whole (Newton-Schulz), so with the momentum split by layer each device runs it on its
-    own layers without collectives inside (`docs/aot.md`)."""
+    ``sharding``: split by layer over the mesh axes of size > 1 (in mesh order, as many as
+    divide ``num_layers``), which then leave the matrix axes; an axis that does not divide stays
+    where ``sharding`` has it. Muon orthogonalises every layer's matrix whole (Newton-Schulz), so
+    with the momentum split by layer each device runs it on its own layers, with no collectives
+    inside where every axis fits (`docs/aot.md`). AdamW's moments keep their parameter's
+    sharding: its update is elementwise."""
     mesh = sharding.mesh
     chosen, size = [], 1
     for axis, n in mesh.shape.items():
@@ -246,12 +248,17 @@ def abstract_train_state(cfg: ModelConfig, mesh: Mesh, tx: optax.GradientTransfo
     # block matrices split by layer as well (`layers_sharding`); counts and other scalars
     # replicate. (Muon's state holds its own and AdamW's moments, each masked to its share of
     # the tree: a block matrix has only Muon's.)
+    from optax.contrib import MuonState
+
     replicated = NamedSharding(mesh, P())
     masked = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731
+    shapes = jax.eval_shape(tx.init, params)
+    is_muon = lambda x: isinstance(x, MuonState)  # noqa: E731
+    muon = any(map(is_muon, jax.tree.leaves(shapes, is_leaf=is_muon)))
     numbers = muon_dimension_numbers(params)
 
     def state_sharding(p, n):
-        stacked = n is not None and p.ndim == 3 and cfg.scan_layers
+        stacked = muon and n is not None and p.ndim == 3 and cfg.scan_layers
         return layers_sharding(p.sharding, p.shape[0]) if stacked else p.sharding
 
     moments = jax.tree.map(
@@ -265,7 +272,7 @@ def abstract_train_state(cfg: ModelConfig, mesh: Mesh, tx: optax.GradientTransfo
         lambda x, p: (
             x if masked(x) else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=p.sharding)
         ),
-        jax.eval_shape(tx.init, params),
+        shapes,
         moments,
         transform_non_params=lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
         is_leaf=masked,

@@ -270,6 +270,12 @@ def test_muon_momentum_is_split_by_layer_with_whole_matrices():
         assert p.sharding.spec[0] is None  # the parameter itself is not split by layer
         checked += 1
     assert checked == 7  # q, k, v, o, gate, up, down
+    # AdamW's moments keep their parameters' shardings (its update is elementwise)
+    adamw, _ = make_optimizer(optimizer="adamw")
+    _, _, adamw_state = abstract_train_state(cfg, mesh, adamw)
+    for moments in (adamw_state[1][0].mu, adamw_state[1][0].nu):
+        for path, m in jax.tree_util.tree_leaves_with_path(moments):
+            assert m.sharding == by_path[jax.tree_util.keystr(path)].sharding, path
     # a layer count no mesh axis divides keeps the parameter's sharding
     one = jax.tree.leaves(params["layers"]["attn"]["q"])[0].sharding
     assert layers_sharding(one, 3) == one
