@@ -38,7 +38,7 @@
 #
 # Every step writes its log under $OUT (what comes back); the last lines of each are printed.
 set -uo pipefail
-part=${1:?usage: gpu_session.sh check|attention|train|train_more|demo}
+part=${1:?usage: gpu_session.sh check|first|attention|train|train_more|demo}
 out=${OUT:-/tmp/gpu_session}
 mkdir -p "$out"
 
@@ -97,6 +97,14 @@ export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
 case $part in
+first)  # one call of at most 9 minutes: the three measurements, tightest first
+    step info 30 python3 -m lwm info configs/tiny.yaml model.attention_kernel=auto
+    step parity 150 python3 -m pytest -q -p no:cacheprovider tests/test_cudnn_attention.py -k gpu
+    step bench_attention 200 python3 scripts/bench_attention.py --platform gpu \
+        --seqs 8192,32768 --repeats 3
+    step bench_train 150 python3 scripts/bench_train.py --platform gpu --sizes 7b-4l \
+        --seqs 8192,32768 --attention blockwise --kernels cudnn --one-document --repeats 3
+    ;;
 attention)
     step info 60 python3 -m lwm info configs/tiny.yaml model.attention_kernel=auto
     step parity 200 python3 -m pytest -q -p no:cacheprovider tests/test_cudnn_attention.py -k gpu
