@@ -208,6 +208,11 @@ def _lse_to_blocks(lse: jax.Array, kvh: int, block: int) -> jax.Array:
 
 
 def _xla_pair_fwd(q, k, v, qp, qsg, kp, ksg, spec: Spec, vma):
+    # Tie positions and segment ids to this layer's q, k, v: otherwise JAX, differentiating a
+    # `lax.scan` over layers, hoists the masks (which depend on positions alone) out of the
+    # scan for every block pair at once: temporaries quadratic in the sequence (34 GiB for 4
+    # layers at 8K; `scripts/probe_cudnn_memory.py`, docs/benchmarks.md).
+    q, k, v, qp, qsg, kp, ksg = lax.optimization_barrier((q, k, v, qp, qsg, kp, ksg))
     kvh = k.shape[2]
     qs = blocks.split_q(q, qp, qsg, kvh, spec.block_q)
     kv = blocks.split_kv(k, v, kp, ksg, spec.block_k)
@@ -219,6 +224,7 @@ def _xla_pair_fwd(q, k, v, qp, qsg, kp, ksg, spec: Spec, vma):
 
 
 def _xla_pair_bwd(q, k, v, out, lse, dout, qp, qsg, kp, ksg, spec: Spec, vma):
+    q, k, v, qp, qsg, kp, ksg = lax.optimization_barrier((q, k, v, qp, qsg, kp, ksg))  # as fwd
     kvh = k.shape[2]
     qs = blocks.split_q(q, qp, qsg, kvh, spec.block_q)
     kv = blocks.split_kv(k, v, kp, ksg, spec.block_k)
