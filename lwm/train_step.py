@@ -258,7 +258,7 @@ def abstract_train_state(cfg: ModelConfig, mesh: Mesh, tx: optax.GradientTransfo
     numbers = muon_dimension_numbers(params)
 
     def state_sharding(p, n):
-        stacked = muon and n is not None and p.ndim == 3 and cfg.scan_layers
+        stacked = muon and n is not None and p.ndim == 3  # only scan_layers stacks them
         return layers_sharding(p.sharding, p.shape[0]) if stacked else p.sharding
 
     moments = jax.tree.map(
