@@ -78,11 +78,13 @@ HEADS = 8
 HEAD_DIM = 64
 DTYPE = jnp.float32
 BWD_FLOP_FACTOR = 3.5  # fwd (1) + bwd (2.5)
-# ours: the XLA block kernel (or --kernel); ours-cudnn: cuDNN blocks in our ring/blockwise;
+# ours: the XLA block kernel (or --kernel); ours-cudnn: cuDNN blocks in our ring/blockwise,
+# given positions (each pair's kind decided at run time, as for packed rows); ours-cudnn-doc:
+# the same without positions (one document in zigzag order: every kind known when tracing);
 # cudnn: jax.nn.dot_product_attention(implementation="cudnn") on the whole sequence (one device)
-IMPLS = ("ours", "ours-cudnn", "cudnn", "ringattention", "dense")
+IMPLS = ("ours", "ours-cudnn", "ours-cudnn-doc", "cudnn", "ringattention", "dense")
 CPU_IMPLS = ("ours", "ringattention", "dense")  # the default impls per platform
-GPU_IMPLS = ("ours", "ours-cudnn", "cudnn", "ringattention")
+GPU_IMPLS = ("ours", "ours-cudnn", "ours-cudnn-doc", "cudnn", "ringattention")
 KERNEL = "xla"
 MODES = ("fwd", "fwd_bwd")
 LONG_CASES = ("fwd:65536", "fwd:131072", "fwd_bwd:32768")
@@ -190,6 +192,20 @@ def ours_fn(mesh: Mesh, block: int, kernel: str | None = None) -> AttnFn:
     return f
 
 
+def ours_document_fn(mesh: Mesh, block: int) -> AttnFn:
+    """Ours with cuDNN blocks, told the order (zigzag) instead of given positions: the same
+    attention, scheduled without run-time choices (`lwm.attention.cudnn`)."""
+
+    def f(q, k, v, positions):
+        del positions  # the zigzag permutation, which layout="zigzag" makes itself
+        return ring_attention(
+            q, k, v, mesh=mesh, causal=True, block_q=block, block_k=block, kernel="cudnn",
+            layout="zigzag",
+        )  # fmt: skip
+
+    return f
+
+
 def cudnn_fn(mesh: Mesh, block: int) -> AttnFn:
     """cuDNN's fused attention on the whole (unsharded) sequence: the speed our ring's cuDNN
     blocks are measured against."""
@@ -257,6 +273,7 @@ def dense_fn(mesh: Mesh, block: int) -> AttnFn:
 IMPL_FNS: dict[str, Callable[[Mesh, int], AttnFn]] = {
     "ours": ours_fn,
     "ours-cudnn": partial(ours_fn, kernel="cudnn"),
+    "ours-cudnn-doc": ours_document_fn,
     "cudnn": cudnn_fn,
     "ringattention": reference_fn,
     "dense": dense_fn,
@@ -343,7 +360,7 @@ def base_record(case: Case, block: int) -> dict[str, Any]:
         "dtype": jnp.dtype(DTYPE).name,
         "devices": DEVICES,
         "platform": PLATFORM,
-        "kernel": {"ours": KERNEL, "ours-cudnn": "cudnn"}.get(case.impl),
+        "kernel": {"ours": KERNEL, "ours-cudnn": "cudnn", "ours-cudnn-doc": "cudnn"}.get(case.impl),
         "block": block,
     }
 
@@ -444,7 +461,12 @@ def run_cases(
     return results
 
 
-RATIOS = (("ours", "ringattention"), ("ours-cudnn", "cudnn"), ("ours-cudnn", "ringattention"))
+RATIOS = (
+    ("ours", "ringattention"),
+    ("ours-cudnn", "cudnn"),
+    ("ours-cudnn-doc", "cudnn"),
+    ("ours-cudnn", "ringattention"),
+)
 
 
 def ratio_records(mode: str, seq: int, results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -707,7 +729,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     PLATFORM = args.platform
     if args.impls is None:
         args.impls = list(GPU_IMPLS if args.platform == "gpu" else CPU_IMPLS)
-    if args.platform == "cpu" and {"ours-cudnn", "cudnn"} & set(args.impls):
+    if args.platform == "cpu" and {"ours-cudnn", "ours-cudnn-doc", "cudnn"} & set(args.impls):
         raise SystemExit("bench_attention: the cudnn impls need --platform gpu")
     gpu = args.platform == "gpu"
     DEVICES = jax.device_count() if gpu else DEVICES

@@ -15,6 +15,7 @@
 #   bash scripts/gpu_session.sh attention   # parity tests, bench_attention (about 4 minutes)
 #   bash scripts/gpu_session.sh train       # bench_train 8K/32K, lwm train tiny (about 5)
 #   bash scripts/gpu_session.sh train_more  # remat dots_saveable, packed rows, 128K (about 5)
+#   bash scripts/gpu_session.sh profile     # where one fwd+bwd call's time goes (about 2)
 #
 # The README's demo on the GPU (`scripts/demo.py --platform gpu`) needs the video and dataset
 # packages too. Make its videos here (`python scripts/demo.py` stopped after its first two
@@ -38,7 +39,7 @@
 #
 # Every step writes its log under $OUT (what comes back); the last lines of each are printed.
 set -uo pipefail
-part=${1:?usage: gpu_session.sh check|first|attention|train|train_more|demo}
+part=${1:?usage: gpu_session.sh check|first|attention|train|train_more|profile|demo}
 out=${OUT:-/tmp/gpu_session}
 mkdir -p "$out"
 
@@ -81,6 +82,8 @@ PY
         --seqs 256 --attention blockwise --kernels xla,cudnn --one-document --repeats 1 \
         --mesh 1,1,1,1
     rm -rf "$out/check_tiny"
+    step check_profile 120 "$py" scripts/profile_attention.py --platform cpu --seqs 512 \
+        --heads 4 --head-dim 32 --repeats 1 --trace-calls 1
     step check_tiny 300 "$py" -m lwm train --config configs/tiny.yaml train.steps=2 \
         train.output_dir="$out/check_tiny" train.batch_size=1 model.attention_kernel=auto
     rm -rf "$block"
@@ -127,6 +130,23 @@ train_more)
         --seqs 8192 --attention blockwise --kernels cudnn --repeats 3
     step bench_train_128k 150 python3 scripts/bench_train.py --platform gpu --sizes 7b-4l \
         --seqs 131072 --attention blockwise --kernels cudnn --one-document --repeats 2
+    ;;
+profile)  # and with XLA's command buffers (CUDA graphs) taking conditionals and loops too
+    step parity 150 python3 -m pytest -q -p no:cacheprovider tests/test_cudnn_attention.py -k gpu
+    step profile 150 python3 scripts/profile_attention.py --platform gpu --seqs 8192,32768
+    step profile_graphs 120 python3 scripts/profile_attention.py --platform gpu \
+        --seqs 8192,32768 --impls raw,ours-cudnn,ours-noswitch \
+        --compiler-options '{"xla_gpu_enable_command_buffer": "+CONDITIONAL,+WHILE"}'
+    step profile_graphs_all 120 python3 scripts/profile_attention.py --platform gpu \
+        --seqs 8192,32768 --impls raw,ours-cudnn,ours-noswitch --compiler-options \
+        '{"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE", "xla_gpu_graph_min_graph_size": 1}'
+    grep -h '^{' "$out"/profile*.log | python3 -c '
+import json, sys
+for line in sys.stdin:
+    r = json.loads(line)
+    print(r["impl"], r["seq"], r.get("compiler_options", {}).get("xla_gpu_enable_command_buffer", "-")[:12],
+          r.get("status"), r.get("time_ms"), r.get("kernel_ms_per_call"), r.get("span_ms_per_call"),
+          r.get("hlo", {}).get("conditional"), r.get("error", "")[:200])'
     ;;
 demo)
     step demo 520 python3 scripts/demo.py --platform gpu

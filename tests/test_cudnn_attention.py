@@ -85,6 +85,57 @@ def test_blockwise_cudnn_kernel_equals_dense(small_pieces, causal):
     )
 
 
+@pytest.mark.parametrize("mesh_shape", [(1, 1, 8, 1), (1, 2, 2, 2), (1, 1, 1, 1)])
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_one_document_in_a_known_order_equals_dense(mesh_shape, layout, causal):
+    """No positions and no segment ids: one document in ``layout``'s order, which the cuDNN path
+    schedules without looking at positions (zigzag, or one device) or with the general pairs
+    (contiguous over a ring). Equals dense attention on the same order, GQA, fp32."""
+    sp, s = mesh_shape[2], 64
+    perm = zigzag_permutation(s, sp) if layout == "zigzag" else np.arange(s)
+    pos = jnp.broadcast_to(jnp.asarray(perm, jnp.int32), (2, s))
+    q, k, v = qkv(s=s)
+    mesh = mesh_of(mesh_shape)
+    assert_matches(
+        lambda q, k, v: ring_attention(
+            q, k, v, mesh=mesh, causal=causal, layout=layout, block_q=4, block_k=4, kernel="cudnn"
+        ),
+        lambda q, k, v: dense_attention(q, k, v, causal=causal, q_positions=pos, kv_positions=pos),
+        q[:, perm],
+        k[:, perm],
+        v[:, perm],
+    )
+
+
+def conditionals(fn, *args) -> int:
+    """How many conditionals the compiled gradient of ``fn`` holds (each one makes a GPU wait
+    for its predicate before it launches the branch: 1-2 ms per fwd+bwd at 8K on an H200)."""
+
+    def loss(q, k, v, *args):
+        return jnp.sum(fn(q, k, v, *args))
+
+    step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))  # args traced: not folded as constants
+    return step.lower(*qkv(s=64), *args).compile().as_text().count(" conditional(")
+
+
+def test_one_document_in_a_known_order_decides_nothing_at_run_time():
+    """The zigzag ring and one device, given no positions: no conditional anywhere (the kinds of
+    all pairs are known when tracing). Given the same positions as arrays, every pair's kind is
+    decided at run time."""
+    s = 64
+    for sp in (1, 4):
+        mesh = mesh_of((1, 1, sp, 1))
+        pos = jnp.broadcast_to(jnp.asarray(zigzag_permutation(s, sp), jnp.int32), (2, s))
+
+        def ring(q, k, v, *positions, mesh=mesh):
+            kw = dict(q_positions=positions[0], kv_positions=positions[0]) if positions else {}
+            return ring_attention(q, k, v, mesh=mesh, layout="zigzag", kernel="cudnn", **kw)
+
+        assert conditionals(ring) == 0, sp
+        assert conditionals(ring, pos) > 0, sp
+
+
 def kinds_of_ring(s: int, sp: int, seg: np.ndarray | None) -> set[int]:
     """Every kind of the pairs of zigzag halves that the ring computes for one row."""
     perm = zigzag_permutation(s, sp)
@@ -173,9 +224,14 @@ def test_real_kernels_lower_for_cuda_from_this_host(monkeypatch):
         out = ring_attention(q, k, v, mesh=mesh, block_q=8, block_k=8, kernel="cudnn", **kw)
         return out.astype(jnp.float32).sum()
 
-    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
-    text = step.trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
-    assert "__cudnn$fmhaSoftmax" in text and "__cudnn$fmhaSoftmaxBackward" in text
+    def one_document(q, k, v):  # no positions: the schedule that decides nothing at run time
+        out = ring_attention(q, k, v, mesh=mesh, layout="zigzag", kernel="cudnn")
+        return out.astype(jnp.float32).sum()
+
+    for fn in (loss, one_document):
+        step = jax.jit(jax.value_and_grad(fn, argnums=(0, 1, 2)))
+        text = step.trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
+        assert "__cudnn$fmhaSoftmax" in text and "__cudnn$fmhaSoftmaxBackward" in text
 
 
 def test_layers_in_a_scan_do_not_hoist_quadratic_masks():
@@ -233,16 +289,20 @@ def test_gpu_cudnn_kernels_follow_their_stand_in():
 
 
 @gpu
-@pytest.mark.parametrize("docs", ["one", "long", "packed"])
+@pytest.mark.parametrize("docs", ["one", "one-positions", "long", "packed"])
 def test_gpu_blockwise_cudnn_within_twice_dense_bfloat16(monkeypatch, docs):
     """On one GPU, pieces of 256 tokens (every pair kind): the error of the cuDNN path
     against float32 dense attention is at most twice that of dense attention computed in bf16,
-    forward and gradients."""
+    forward and gradients. ``one``: no positions (the schedule known when tracing);
+    ``one-positions``: the same positions given (each pair's kind decided at run time)."""
     monkeypatch.setattr(cudnn, "PIECE", 256)
     s = 1024
     q32, k32, v32 = qkv(b=2, s=s, h=8, kvh=2, d=64)
     kw = {}
-    if docs != "one":
+    if docs == "one-positions":
+        pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (2, s))
+        kw = dict(q_positions=pos, kv_positions=pos)
+    elif docs != "one":
         seg = long_documents(2, s, 700) if docs == "long" else packed_segments(2, s)
         pos = document_positions(seg)
         kw = dict(q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg)

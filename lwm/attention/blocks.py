@@ -65,6 +65,10 @@ class Spec(NamedTuple):
     kv_len: int  # keys and values per call (per device under ring attention), before padding
     kernel: str = "xla"  # "xla" (this module) or "pallas" (`lwm.attention.pallas`)
     interpret: bool = False  # run the Pallas kernels in interpret mode (not on a TPU)
+    # The token order when no positions and no segment ids were given ("contiguous" or
+    # "zigzag": one document in that layout's order), else None. Only the cuDNN kernel reads
+    # it: it then knows which block pairs are live without looking (`lwm.attention.cudnn`).
+    order: str | None = None
 
 
 def _pad(x: jax.Array | None, axis: int, size: int, value) -> jax.Array | None:

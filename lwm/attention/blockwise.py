@@ -196,9 +196,11 @@ def prepare_inputs(
     precision,
     kernel="xla",
     platform=None,
+    order=None,
 ):
     """Validate, fill defaults, and make the static `Spec` (for local shards under ring
-    attention: lengths are what one kernel call sees)."""
+    attention: lengths are what one kernel call sees). ``order``: `Spec.order`, the layout of
+    one document when the caller gave no positions and no segment ids."""
     kernel, interpret = resolve_kernel(kernel, platform)
     check_qkv(q, k, v)
     if kernel == "cudnn" and not interpret:
@@ -226,6 +228,7 @@ def prepare_inputs(
         kv_len=sk,
         kernel=kernel,
         interpret=interpret,
+        order=order,
     )
     args = (
         q,
@@ -261,6 +264,8 @@ def blockwise_attention(
     ``kernel``: the block kernel, ``xla``, ``pallas`` (interpreted off a TPU), ``cudnn``
     (emulated off a GPU) or ``auto``.
     """
+    given = (q_positions, kv_positions, q_segment_ids, kv_segment_ids)
+    one_document = all(x is None for x in given) and q.shape[1] == k.shape[1]
     args, spec = prepare_inputs(
         q,
         k,
@@ -275,6 +280,7 @@ def blockwise_attention(
         scale=scale,
         precision=precision,
         kernel=kernel,
+        order="contiguous" if one_document else None,
     )
     return core_for(spec)(*args, spec, None)
 

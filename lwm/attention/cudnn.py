@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from lwm.attention import blocks
-from lwm.attention._common import DEAD, FULL, block_kind, full, union_vma
+from lwm.attention._common import DEAD, FULL, block_kind, full, make_varying, union_vma
 from lwm.attention.blocks import F32, Spec
 
 log = logging.getLogger(__name__)
@@ -254,26 +254,30 @@ def _split_count(q_len: int, kv_len: int) -> int:
     return m
 
 
-def _pair_fwd(q, k, v, qp, qsg, kp, ksg, spec: Spec, vma, split: bool = True):
-    """Output (float32 ``[b, t, h, d]``) and log-sum-exp (``[b, h, t]``, -inf where nothing is
-    visible) of one pair. A general pair longer than `PIECE` is cut into pieces (``split``)."""
+def _pair_fwd(q, k, v, qp, qsg, kp, ksg, spec: Spec, vma, split: bool = True, dtype=F32):
+    """Output (``[b, t, h, d]`` in ``dtype``: float32 where pairs are combined, the input's
+    where this pair is the whole attention) and log-sum-exp (float32 ``[b, h, t]``, -inf where
+    nothing is visible) of one pair. A general pair longer than `PIECE` is cut into pieces
+    (``split``)."""
     fwd, _ = _kernels(spec)
     b, t, h, d = q.shape
 
     def dead(*_):
-        return full((b, t, h, d), 0.0, F32, vma), full((b, h, t), -jnp.inf, F32, vma)
+        return full((b, t, h, d), 0.0, dtype, vma), full((b, h, t), -jnp.inf, F32, vma)
 
     def on_cudnn(causal):
         def run(q, k, v, *_):
             out, lse = fwd(q, k, v, causal, spec.scale)
-            return out.astype(F32), lse.astype(F32)
+            return out.astype(dtype), lse.astype(F32)
 
         return run
 
     def general(*operands):
         if split and _split_count(t, k.shape[1]) > 1:
-            return _split_fwd(*operands, spec, vma)
-        return _xla_pair_fwd(*operands, spec, vma)
+            out, lse = _split_fwd(*operands, spec, vma)
+        else:
+            out, lse = _xla_pair_fwd(*operands, spec, vma)
+        return out.astype(dtype), lse
 
     kind = pair_kind(qp, qsg, kp, ksg, spec.causal)
     return _switch(kind, dead, on_cudnn(True), on_cudnn(False), general, q, k, v, qp, qsg, kp, ksg)
@@ -311,28 +315,33 @@ def _split_fwd(q, k, v, qp, qsg, kp, ksg, spec: Spec, vma):
     return _fold_fwd(q, k, v, qp, qsg, kp, ksg, acc, m, False, spec, vma)
 
 
-def _pair_bwd(q, k, v, out, lse, dout, qp, qsg, kp, ksg, spec: Spec, vma, split: bool = True):
-    """This pair's parts of dQ, dK, dV (float32), from the global output and log-sum-exp."""
+def _pair_bwd(
+    q, k, v, out, lse, dout, qp, qsg, kp, ksg, spec: Spec, vma, split: bool = True, dtype=F32
+):
+    """This pair's parts of dQ, dK, dV (in ``dtype``, as `_pair_fwd`'s output), from the global
+    output and log-sum-exp."""
     _, bwd = _kernels(spec)
 
     def dead(q, k, *_):
         return (
-            full(q.shape, 0.0, F32, vma),
-            full(k.shape, 0.0, F32, vma),
-            full(k.shape, 0.0, F32, vma),
+            full(q.shape, 0.0, dtype, vma),
+            full(k.shape, 0.0, dtype, vma),
+            full(k.shape, 0.0, dtype, vma),
         )
 
     def on_cudnn(causal):
         def run(q, k, v, out, lse, dout, *_):
             grads = bwd(q, k, v, out, lse, dout, causal, spec.scale)
-            return tuple(g.astype(F32) for g in grads)
+            return tuple(g.astype(dtype) for g in grads)
 
         return run
 
     def general(*operands):
         if split and _split_count(q.shape[1], k.shape[1]) > 1:
-            return _split_bwd(*operands, spec, vma)
-        return _xla_pair_bwd(*operands, spec, vma)
+            grads = _split_bwd(*operands, spec, vma)
+        else:
+            grads = _xla_pair_bwd(*operands, spec, vma)
+        return tuple(g.astype(dtype) for g in grads)
 
     kind = pair_kind(qp, qsg, kp, ksg, spec.causal)
     operands = (q, k, v, out, lse, dout, qp, qsg, kp, ksg)
@@ -407,9 +416,13 @@ def _send(tree, axis_name: str, n: int):
 
 
 def _forward(q, k, v, qp, kp, qsg, ksg, spec: Spec, axis_name):
+    if _known_order(spec, axis_name):
+        return _ordered_forward(q, k, v, spec, axis_name)
     vma = union_vma((q, k, v, qp, kp, qsg, ksg))
     n = 1 if axis_name is None else lax.axis_size(axis_name)
     m = _num_pieces(axis_name, q.shape[1], k.shape[1])
+    if n == 1 and m == 1:  # one pair is the whole attention: no float32 accumulator
+        return _pair_fwd(q, k, v, qp, qsg, kp, ksg, spec, vma, dtype=q.dtype)
     b, sq, h, d = q.shape
     acc = (full((b, sq, h, d), 0.0, F32, vma), full((b, h, sq), -jnp.inf, F32, vma))
 
@@ -430,10 +443,16 @@ def _forward(q, k, v, qp, kp, qsg, ksg, spec: Spec, axis_name):
 
 
 def _backward(res, dout, spec: Spec, axis_name):
+    if _known_order(spec, axis_name):
+        return _ordered_backward(res, dout, spec, axis_name)
     q, k, v, qp, kp, qsg, ksg, out, lse = res
     vma = union_vma(jax.tree.leaves(res))
     n = 1 if axis_name is None else lax.axis_size(axis_name)
     m = _num_pieces(axis_name, q.shape[1], k.shape[1])
+    if n == 1 and m == 1:  # one pair: its gradients are the whole ones, in the input dtype
+        operands = (q, k, v, out, lse, dout, qp, qsg, kp, ksg)
+        dq, dk, dv = _pair_bwd(*operands, spec, vma, dtype=q.dtype)
+        return dq, dk.astype(k.dtype), dv.astype(v.dtype)
 
     def fold(kv, dq, dk, dv):
         k, v, kp, ksg = kv
@@ -457,6 +476,135 @@ def _backward(res, dout, spec: Spec, axis_name):
     else:
         dq, dk, dv = fold(kv, dq, zeros_kv, zeros_kv)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+# -- one document in a known order: no run-time choices ----------------------------------------
+
+
+def _known_order(spec: Spec, axis_name: str | None) -> bool:
+    """Whether the pairs' kinds follow from ``spec.order`` alone (`_ordered_forward`): one
+    device, or the zigzag layout over the ring with causal (or no) masking."""
+    if spec.order is None:
+        return False
+    n = 1 if axis_name is None else lax.axis_size(axis_name)
+    return n == 1 or (spec.order == "zigzag" and spec.kv_len % 2 == 0)
+
+
+def _ring_position(axis_name: str, step):
+    """Whether the chunk visiting at ring step ``step`` >= 1 comes from an earlier device (its
+    owner ``(i - step) mod n`` below this device ``i``), as an int32 0/1."""
+    i = lax.axis_index(axis_name)
+    return (step <= i).astype(jnp.int32)
+
+
+def _half(x, which, c: int, axis: int = 1):
+    return lax.dynamic_slice_in_dim(x, which * c, c, axis=axis)
+
+
+def _ordered_forward(q, k, v, spec: Spec, axis_name):
+    """`_forward` for one document in ``spec.order`` (no positions or segment ids given): every
+    cuDNN call's mask is known when tracing, so nothing is decided at run time.
+
+    One device: one call over the shard. The zigzag ring (device ``i`` holds chunks ``i`` and
+    ``2n-1-i``, its halves): at step 0 one causal call over the shard (its two chunks are in
+    order, so the index mask is the position mask); at step ``s`` the chunk of device ``j``
+    visits, and (second half x first half) is always visible, plus (first x first) when
+    ``j < i`` or (second x second) when ``j > i``; the other two pairs are masked whole. That
+    second pair is cut out by a data-dependent offset, so every step is the same two unmasked
+    calls of half a shard each, as ring-flash-attention schedules zigzag rings."""
+    fwd, _ = _kernels(spec)
+    out, lse = fwd(q, k, v, spec.causal, spec.scale)
+    n = 1 if axis_name is None else lax.axis_size(axis_name)
+    if n == 1:
+        return out, lse.astype(F32)
+    vma = union_vma((q, k, v))
+    c = q.shape[1] // 2
+    acc = (out.astype(F32), lse.astype(F32))
+
+    def fold(kv, acc, step):
+        k, v = kv
+        if not spec.causal:  # everything is visible: one call
+            o, lse_o = fwd(q, k, v, False, spec.scale)
+            return _merge(*acc, o.astype(F32), lse_o.astype(F32))
+        out, lse = acc
+        o1, l1 = fwd(_half(q, 1, c), _half(k, 0, c), _half(v, 0, c), False, spec.scale)
+        out1, lse1 = _merge(_half(out, 1, c), _half(lse, 1, c, 2), o1.astype(F32), l1)
+        out = lax.dynamic_update_slice_in_dim(out, out1, c, axis=1)
+        lse = lax.dynamic_update_slice_in_dim(lse, lse1, c, axis=2)
+        a = 1 - _ring_position(axis_name, step)  # 0: first x first, 1: second x second
+        o2, l2 = fwd(_half(q, a, c), _half(k, a, c), _half(v, a, c), False, spec.scale)
+        out2, lse2 = _merge(_half(out, a, c), _half(lse, a, c, 2), o2.astype(F32), l2)
+        out = lax.dynamic_update_slice_in_dim(out, out2, a * c, axis=1)
+        lse = lax.dynamic_update_slice_in_dim(lse, lse2, a * c, axis=2)
+        return out, lse
+
+    def step(carry, s):
+        kv, acc = carry
+        incoming = _send(kv, axis_name, n)
+        return (incoming, fold(kv, acc, s)), None
+
+    kv = jax.tree.map(lambda x: make_varying(x, vma), _send((k, v), axis_name, n))
+    acc = jax.tree.map(lambda x: make_varying(x, vma), acc)
+    steps = jnp.arange(1, n, dtype=jnp.int32)
+    if n > 2:
+        (kv, acc), _ = lax.scan(step, (kv, acc), steps[:-1])
+    out, lse = fold(kv, acc, steps[-1])
+    return out.astype(q.dtype), lse
+
+
+def _ordered_backward(res, dout, spec: Spec, axis_name):
+    """`_backward` for `_ordered_forward`'s schedule: the same calls, each with the global
+    output and log-sum-exp of its queries."""
+    q, k, v, _, _, _, _, out, lse = res
+    _, bwd = _kernels(spec)
+    dq, dk, dv = bwd(q, k, v, out, lse, dout, spec.causal, spec.scale)
+    n = 1 if axis_name is None else lax.axis_size(axis_name)
+    if n == 1:
+        return dq, dk, dv
+    vma = union_vma((q, k, v, out, lse, dout))
+    c = q.shape[1] // 2
+    dq = dq.astype(F32)
+
+    def part(a, b, k, v):
+        """dQ, dK, dV of (query half a, key half b): a, b traced 0/1."""
+        qa, oa, da = (_half(x, a, c) for x in (q, out, dout))
+        return bwd(qa, _half(k, b, c), _half(v, b, c), oa, _half(lse, a, c, 2), da, False,
+                   spec.scale)  # fmt: skip
+
+    def add(x, which, g):
+        return _add_piece(x, which, g.astype(F32))
+
+    def fold(kv, dq, dk, dv, step):
+        k, v = kv
+        if not spec.causal:
+            gq, gk, gv = bwd(q, k, v, out, lse, dout, False, spec.scale)
+            return dq + gq.astype(F32), dk + gk.astype(F32), dv + gv.astype(F32)
+        gq, gk, gv = part(1, 0, k, v)
+        dq, dk, dv = add(dq, 1, gq), add(dk, 0, gk), add(dv, 0, gv)
+        a = 1 - _ring_position(axis_name, step)
+        gq, gk, gv = part(a, a, k, v)
+        return add(dq, a, gq), add(dk, a, gk), add(dv, a, gv)
+
+    def step(carry, s):
+        kv, dq, dk, dv = carry
+        incoming = _send(kv, axis_name, n)
+        dq, dk, dv = fold(kv, dq, dk, dv, s)
+        return (incoming, dq, *_send((dk, dv), axis_name, n)), None
+
+    kv = _send((k, v), axis_name, n)
+    zeros = full(k.shape, 0.0, F32, vma)
+    carry = jax.tree.map(lambda x: make_varying(x, vma), (kv, dq, zeros, zeros))
+    steps = jnp.arange(1, n, dtype=jnp.int32)
+    if n > 2:
+        carry, _ = lax.scan(step, carry, steps[:-1])
+    kv, dq, dk_r, dv_r = carry
+    dq, dk_r, dv_r = fold(kv, dq, dk_r, dv_r, steps[-1])
+    dk_r, dv_r = _send((dk_r, dv_r), axis_name, n)  # home after n - 1 hops and this one
+    return (
+        dq.astype(q.dtype),
+        (dk.astype(F32) + dk_r).astype(k.dtype),
+        (dv.astype(F32) + dv_r).astype(v.dtype),
+    )
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(7, 8))

@@ -13,13 +13,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from lwm.attention._common import check_qkv, default_positions
 from lwm.attention.blockwise import core_for, prepare_inputs, resolve_kernel
-from lwm.attention.layout import ring_block_size
+from lwm.attention.layout import Layout, layout_permutation, ring_block_size
 from lwm.base.mesh import BATCH_AXES, SEQUENCE_AXIS
 
 
@@ -40,21 +41,25 @@ def ring_attention_local(
     precision: lax.Precision | None = None,
     kernel: str = "xla",
     platform: str | None = None,
+    layout: Layout = "contiguous",
 ) -> jax.Array:
     """Ring attention on local shards; call inside `jax.shard_map` with ``axis_name`` bound
     (``axis_name=None``: the whole sequence is local, i.e. blockwise attention).
 
     Arguments are this device's shards (``[batch, seq/sp, heads, head_dim]``, positions
-    ``[batch, seq/sp]``). Positions default to the contiguous layout (shard i holds tokens
-    ``i*len .. (i+1)*len-1``); pass the permuted positions when using zigzag or striped layouts.
-    ``kernel``: the block kernel (`lwm.attention.blockwise.KERNELS`) on ``platform`` (default:
-    JAX's backend).
+    ``[batch, seq/sp]``). Positions default to ``layout``'s order (`lwm.attention.layout`):
+    contiguous (shard i holds tokens ``i*len .. (i+1)*len-1``) or zigzag; pass the positions
+    for any other order. With no positions and no segment ids (one document in ``layout``'s
+    order) the cuDNN kernel knows every block pair's mask when tracing and decides nothing at
+    run time. ``kernel``: the block kernel (`lwm.attention.blockwise.KERNELS`) on ``platform``
+    (default: JAX's backend).
     """
     b, s_local = q.shape[0], q.shape[1]
     ring = axis_name is not None and lax.axis_size(axis_name) > 1
+    given = (q_positions, kv_positions, q_segment_ids, kv_segment_ids)
+    order = layout if all(x is None for x in given) and q.shape[1] == k.shape[1] else None
     if q_positions is None or kv_positions is None:
-        offset = lax.axis_index(axis_name) * s_local if axis_name is not None else 0
-        default = offset + default_positions(b, s_local)
+        default = _shard_positions(layout, axis_name, b, s_local)
         q_positions = default if q_positions is None else q_positions
         kv_positions = default if kv_positions is None else kv_positions
     if ring:
@@ -74,8 +79,31 @@ def ring_attention_local(
         precision=precision,
         kernel=kernel,
         platform=platform,
+        order=order,
     )
     return core_for(spec)(*args, spec, axis_name)
+
+
+def _layout_positions(layout: Layout, batch: int, length: int, shards: int) -> jax.Array:
+    """Positions of ``length`` tokens in ``layout``'s order over ``shards``, ``[batch, length]``."""
+    perm = layout_permutation(layout, length, shards)
+    return jnp.broadcast_to(jnp.asarray(perm, jnp.int32), (batch, length))
+
+
+def _shard_positions(layout: Layout, axis_name: str | None, batch: int, length: int):
+    """This shard's positions under ``layout`` (`lwm.attention.layout`), ``[batch, length]``."""
+    if axis_name is None:
+        return default_positions(batch, length)
+    i, n = lax.axis_index(axis_name), lax.axis_size(axis_name)
+    if layout == "contiguous":
+        return i * length + default_positions(batch, length)
+    if layout == "zigzag":
+        if length % 2:
+            raise ValueError(f"zigzag layout needs an even shard length, got {length}")
+        c = length // 2
+        half = default_positions(batch, c)
+        return jnp.concatenate([i * c + half, (2 * n - 1 - i) * c + half], axis=1)
+    raise ValueError(f"positions default to a contiguous or zigzag order, not '{layout}'")
 
 
 def _present(mesh: Mesh, axes: str | Sequence[str] | None):
@@ -117,13 +145,16 @@ def ring_attention(
     scale: float | None = None,
     precision: lax.Precision | None = None,
     kernel: str = "xla",
+    layout: Layout = "contiguous",
 ) -> jax.Array:
     """Ring attention on global arrays: sequence over ``axis_name`` (None: not sharded, so
     plain blockwise attention on each batch/head shard), batch over ``batch_axes``,
     heads over ``head_axis`` (axes missing from the mesh are ignored). Same semantics as
     `dense_attention` on the same (possibly permuted) token order. ``kernel``: the block
     kernel, ``xla``, ``pallas`` (interpreted unless the mesh is of TPUs), ``cudnn`` (emulated
-    unless it is of NVIDIA GPUs) or ``auto``."""
+    unless it is of NVIDIA GPUs) or ``auto``. ``layout``: the token order when positions are
+    not given, ``contiguous`` or ``zigzag`` over ``axis_name`` (`lwm.attention.layout`); one
+    document in a known order is the cuDNN kernel's fastest case (`ring_attention_local`)."""
     check_qkv(q, k, v)
     platform = mesh.devices.flat[0].platform
     # An unknown kernel fails here, before tracing. Pallas's interpreter cannot yet evaluate
@@ -148,14 +179,17 @@ def ring_attention(
                 f"ring attention: {what} {size} is not divisible by the {parts} devices of "
                 f"mesh axes {axes}"
             )
-    if q_positions is None:
-        q_positions = default_positions(b, s)
-    if kv_positions is None:
-        kv_positions = default_positions(b, k.shape[1])
+    has_seg = q_segment_ids is not None or kv_segment_ids is not None
+    # No positions and no segment ids: each shard makes its own (`ring_attention_local`).
+    has_pos = has_seg or q_positions is not None or kv_positions is not None
+    if has_pos:
+        if q_positions is None:
+            q_positions = _layout_positions(layout, b, s, sp)
+        if kv_positions is None:
+            kv_positions = _layout_positions(layout, b, k.shape[1], sp)
 
     x_spec = P(batch_axes, axis_name, head_axis, None)
     t_spec = P(batch_axes, axis_name)
-    has_seg = q_segment_ids is not None or kv_segment_ids is not None
     kw = dict(
         axis_name=axis_name,
         causal=causal,
@@ -165,16 +199,20 @@ def ring_attention(
         precision=precision,
         kernel=kernel,
         platform=platform,
+        layout=layout,
     )
 
-    def local(q, k, v, qp, kp, *segs):
-        qs, ks = segs if segs else (None, None)
+    def local(q, k, v, *rest):
+        qp, kp, qs, ks = (*rest, None, None, None, None)[:4]
         return ring_attention_local(
             q, k, v, q_positions=qp, kv_positions=kp, q_segment_ids=qs, kv_segment_ids=ks, **kw
         )
 
-    args = [q, k, v, q_positions, kv_positions]
-    specs = [x_spec, x_spec, x_spec, t_spec, t_spec]
+    args = [q, k, v]
+    specs = [x_spec, x_spec, x_spec]
+    if has_pos:
+        args += [q_positions, kv_positions]
+        specs += [t_spec, t_spec]
     if has_seg:
         if q_segment_ids is None or kv_segment_ids is None:
             raise ValueError("pass both q_segment_ids and kv_segment_ids, or neither")
