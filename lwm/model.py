@@ -25,9 +25,29 @@ from lwm.attention import (
     dense_attention,
     ring_attention,
 )
-from lwm.base.mesh import logical_sharding, logical_to_spec
+from lwm.attention.layout import Layout, layout_permutation
+from lwm.base.mesh import SEQUENCE_AXIS, logical_sharding, logical_to_spec
 from lwm.config import ModelConfig
 from lwm.info import ParamSpec, layer_param_specs, param_specs
+
+
+def sequence_layout(cfg: ModelConfig, sp: int) -> Layout:
+    """The order of each row's tokens over ``sp`` sequence shards: zigzag under ring attention
+    with ``cfg.zigzag`` (load-balanced causal work, `lwm.attention.layout`), else contiguous.
+    `lwm train` lays its batches out in this order and the model's attention assumes it."""
+    return "zigzag" if cfg.attention == "ring" and cfg.zigzag and sp > 1 else "contiguous"
+
+
+def one_document_rows(
+    positions: jax.Array, segment_ids: jax.Array, layout: Layout, sp: int
+) -> jax.Array:
+    """Whether every row is one document (one segment id throughout) whose positions are
+    ``layout``'s own order over ``sp`` shards: a scalar bool, for choosing
+    ``hidden_states(one_document=True)`` at run time."""
+    order = jnp.asarray(layout_permutation(layout, positions.shape[1], sp), positions.dtype)
+    one_segment = jnp.all(segment_ids == segment_ids[:, :1])
+    return one_segment & jnp.all(positions == order[None])
+
 
 REMAT_POLICIES = {
     "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
@@ -156,7 +176,15 @@ class LWMModel(nnx.Module):
         axes = param.get_metadata()["axes"][-w.ndim :]
         return self._constrain(w, *(None if a == "embed" else a for a in axes))
 
+    @property
+    def layout(self) -> Layout:
+        """The order of each row's tokens over the mesh (`sequence_layout`)."""
+        sp = 1 if self.mesh is None else self.mesh.shape.get(SEQUENCE_AXIS, 1)
+        return sequence_layout(self.cfg, sp)
+
     def _attention(self, q, k, v, positions, segment_ids):
+        """Attention of one layer; ``positions`` and ``segment_ids`` None: every row is one
+        document in `layout`'s order (``hidden_states(one_document=True)``)."""
         cfg = self.cfg
         kw = dict(
             q_positions=positions,
@@ -168,7 +196,7 @@ class LWMModel(nnx.Module):
         if cfg.attention == "dense":
             return dense_attention(q, k, v, **kw)
         if cfg.attention == "ring" and self.mesh is not None:
-            return ring_attention(q, k, v, mesh=self.mesh, **kw, **blocks)
+            return ring_attention(q, k, v, mesh=self.mesh, layout=self.layout, **kw, **blocks)
         if self.mesh is None:
             return blockwise_attention(q, k, v, **kw, **blocks)
         # Blockwise on a mesh: each device attends its batch/head slice over the whole sequence.
@@ -317,15 +345,22 @@ class LWMModel(nnx.Module):
         segment_ids: jax.Array | None = None,
         cells: jax.Array | None = None,
         window: jax.Array | None = None,
+        *,
+        one_document: bool = False,
     ) -> jax.Array:
         """Final normalised hidden states ``[batch, seq, hidden]`` in the compute dtype.
-        ``cells``, ``window`` as for `embed` (needed when the streams are in a ring layout)."""
+        ``cells``, ``window`` as for `embed` (needed when the streams are in a ring layout).
+        ``one_document``: the caller knows every row is one document whose positions are
+        `layout`'s own order (`one_document_rows`); attention is then told the order instead
+        of reading positions and segment ids (the same result; the cuDNN kernel's fastest
+        case). Positions still drive the rotary embeddings."""
         b, s = tokens.shape
         if positions is None:
             positions = default_positions(b, s)
+        masks = (None, None) if one_document else (positions, segment_ids)
 
         def attend(q, k, v, _):
-            return self._attention(q, k, v, positions, segment_ids), None
+            return self._attention(q, k, v, *masks), None
 
         x, _ = self.run_layers(self.embed(tokens, vision_mask, cells, window), positions, attend)
         return x

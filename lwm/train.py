@@ -27,11 +27,12 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from lwm.attention.layout import zigzag_permutation
+from lwm.attention.layout import layout_permutation
 from lwm.base.mesh import MeshError, check_batch_fits
 from lwm.base.metrics import MetricsWriter
 from lwm.config import Config, config_to_yaml
 from lwm.info import flops_per_token, measure_peak_flops
+from lwm.model import sequence_layout
 from lwm.runs import (
     checkpoint_manager,
     restore_newest,
@@ -128,9 +129,8 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
         )
     check_batch_fits(mesh, tc.batch_size // tc.grad_accum, seq_len)
     sp = mesh.shape["sp"]
-    layout = None
-    if model_cfg.attention == "ring" and model_cfg.zigzag and sp > 1:
-        layout = zigzag_permutation(seq_len, sp)
+    order = sequence_layout(model_cfg, sp)  # the order the model's attention assumes
+    layout = None if order == "contiguous" else layout_permutation(order, seq_len, sp)
 
     output = Path(tc.output_dir)
     tx, schedule = optimizer_from_config(tc)

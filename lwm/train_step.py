@@ -16,12 +16,13 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from data.batches import BATCH_FIELDS, WINDOW_FIELD
-from lwm.base.mesh import logical_to_spec
+from lwm.attention.blockwise import resolve_kernel
+from lwm.base.mesh import SEQUENCE_AXIS, logical_to_spec
 from lwm.base.schedule import warmup_schedule
 from lwm.config import ModelConfig, TrainConfig, optimizer_problem
 from lwm.info import is_block_matrix
 from lwm.loss import Targets, loss_from_sums, loss_sums, target_counts
-from lwm.model import LWMModel, abstract_params
+from lwm.model import LWMModel, abstract_params, one_document_rows
 
 
 def muon_dimension_numbers(params: nnx.State) -> nnx.State:
@@ -102,7 +103,10 @@ def loss_fn(
     batch: dict,
     weights: tuple[float, float] = (0.5, 0.5),
     counts: tuple[jax.Array, jax.Array] | None = None,
+    one_document: bool = False,
 ):
+    """The modality-balanced loss and its metrics; ``one_document`` as for
+    `LWMModel.hidden_states` (the caller has checked `one_document_rows`)."""
     model: LWMModel = nnx.merge(graphdef, params)
     targets = _targets(batch)
     # Vision targets as columns of the vision logits (restricted by model.vision_codes).
@@ -120,7 +124,7 @@ def loss_fn(
         batch.get(WINDOW_FIELD),
     )
     heads = (weights[0] > 0, weights[1] > 0)  # a head whose loss weight is 0 is not computed
-    hidden = model.hidden_states(*inputs)
+    hidden = model.hidden_states(*inputs, one_document=one_document)
     cap = model.cfg.loss_positions
     dropped = None
     if heads[0] and 0 < cap < hidden.shape[1]:
@@ -154,6 +158,31 @@ def trained_positions(hidden: jax.Array, targets: Targets, n: int):
     kept = Targets(*(jnp.take_along_axis(x, order, axis=1) for x in targets))
     dropped = jnp.sum(trained, dtype=jnp.float32) - jnp.sum(kept.weight > 0, dtype=jnp.float32)
     return jnp.take_along_axis(hidden, order[..., None], axis=1), kept, dropped
+
+
+def _grads_fn(params: nnx.State, graphdef: nnx.GraphDef, weights):
+    """``batch, counts -> ((loss, metrics), grads)``. Where the model's attention runs on cuDNN,
+    a batch whose rows are each one document in the model's layout (`one_document_rows`, checked
+    on the device) takes the schedule that decides nothing at run time
+    (`lwm.attention.cudnn`); any other batch, the general one. One conditional per step (per
+    micro-batch) instead of one per block pair and layer; both branches are compiled, the
+    results are the same."""
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    model: LWMModel = nnx.merge(graphdef, params)
+    cfg = model.cfg
+    platform = jax.default_backend() if model.mesh is None else model.mesh.devices.flat[0].platform
+    if cfg.attention == "dense" or resolve_kernel(cfg.attention_kernel, platform)[0] != "cudnn":
+        return lambda batch, counts=None: grad_fn(params, graphdef, batch, weights, counts)
+    sp = 1 if model.mesh is None else model.mesh.shape.get(SEQUENCE_AXIS, 1)
+
+    def grads(batch, counts=None):
+        def run(one_document):
+            return lambda: grad_fn(params, graphdef, batch, weights, counts, one_document)
+
+        known = one_document_rows(batch["positions"], batch["segment_ids"], model.layout, sp)
+        return jax.lax.cond(known, run(True), run(False))
+
+    return grads
 
 
 def _targets(batch: dict) -> Targets:
@@ -190,22 +219,20 @@ def train_step(
     each micro-batch loss is averaged over the whole batch's target counts, so the result
     equals one step on the whole batch (up to float summation order).
     """
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    grads_of = _grads_fn(params, graphdef, weights)
     if grad_accum == 1:
-        (_, metrics), grads = grad_fn(params, graphdef, batch, weights)
+        (_, metrics), grads = grads_of(batch)
     else:
         counts = target_counts(_targets(batch))
         micro = _micro_batches(batch, grad_accum, mesh)
 
         def accumulate(carry, mb):
             grads, metrics = carry
-            (_, m), g = grad_fn(params, graphdef, mb, weights, counts)
+            (_, m), g = grads_of(mb, counts)
             return (jax.tree.map(jnp.add, grads, g), jax.tree.map(jnp.add, metrics, m)), None
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        zero_metrics = jax.tree.map(
-            jnp.zeros_like, jax.eval_shape(lambda: grad_fn(params, graphdef, batch, weights)[0][1])
-        )
+        zero_metrics = jax.tree.map(jnp.zeros_like, jax.eval_shape(lambda: grads_of(batch)[0][1]))
         (grads, metrics), _ = jax.lax.scan(accumulate, (zeros, zero_metrics), micro)
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
     updates, opt_state = tx.update(grads, opt_state, params)

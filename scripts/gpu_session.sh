@@ -114,7 +114,7 @@ attention)
     step bench_attention 300 python3 scripts/bench_attention.py --platform gpu \
         --seqs 8192,32768 --check --check-seq 4096 --check-block 512 --repeats 5
     step bench_attention_128k 120 python3 scripts/bench_attention.py --platform gpu \
-        --seqs 131072 --modes fwd_bwd --impls ours-cudnn,cudnn --repeats 3
+        --seqs 131072 --modes fwd_bwd --impls ours-cudnn,ours-cudnn-doc,cudnn --repeats 3
     ;;
 train)
     step bench_train 330 python3 scripts/bench_train.py --platform gpu --sizes 7b-4l \

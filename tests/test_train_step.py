@@ -279,3 +279,76 @@ def test_muon_momentum_is_split_by_layer_with_whole_matrices():
     # a layer count no mesh axis divides keeps the parameter's sharding
     one = jax.tree.leaves(params["layers"]["attn"]["q"])[0].sharding
     assert layers_sharding(one, 3) == one
+
+
+def _one_document(batch: dict, order: np.ndarray) -> dict:
+    """``batch`` with every row one document in ``order`` (as long-context rows are)."""
+    positions = np.broadcast_to(order, batch["positions"].shape).astype(np.int32)
+    return dict(batch, segment_ids=np.ones_like(batch["segment_ids"]), positions=positions)
+
+
+def test_one_document_rows_are_recognised():
+    """`one_document_rows` says yes only to rows of one segment whose positions are the
+    layout's own order: not to packed rows, padding, or positions of another order."""
+    from data.batches import SyntheticTokenLoader
+    from lwm.attention.layout import zigzag_permutation
+    from lwm.model import one_document_rows
+
+    perm = zigzag_permutation(64, 4)
+    packed = next(SyntheticTokenLoader(batch_size=2, seq_len=64, text_vocab_size=256, layout=perm))
+    one = _one_document(packed, perm)
+
+    def check(batch, layout="zigzag", sp=4):
+        return bool(one_document_rows(batch["positions"], batch["segment_ids"], layout, sp))
+
+    assert check(one) and not check(packed)
+    assert not check(_one_document(packed, np.arange(64)))  # contiguous positions, zigzag model
+    assert check(_one_document(packed, np.arange(64)), "contiguous", 1)
+    padded = dict(one, segment_ids=one["segment_ids"].copy())
+    padded["segment_ids"][1, -5:] = 0
+    assert not check(padded)
+
+
+def test_one_document_schedule_gives_the_same_loss_and_gradients():
+    """With cuDNN attention (its stand-in here) on a zigzag ring: the loss and gradients of
+    a one-document batch told its order (`loss_fn(one_document=True)`) equal those computed
+    from its positions and segment ids; and the train step, which picks between the two on
+    the device, gives the XLA kernel's loss on one-document and packed batches alike."""
+    import jax.numpy as jnp
+
+    from data.batches import SyntheticTokenLoader
+    from lwm.attention.layout import zigzag_permutation
+    from lwm.train_step import loss_fn
+
+    mesh = make_mesh("1,2,4,1")
+    perm = zigzag_permutation(64, 4)
+    packed = next(SyntheticTokenLoader(batch_size=2, seq_len=64, text_vocab_size=256, layout=perm))
+    one = _one_document(packed, perm)
+
+    def setup(kernel):
+        cfg = load_config("configs/debug.yaml").model.model_copy(
+            update={"attention": "ring", "block_q": 4, "block_k": 4, "attention_kernel": kernel}
+        )
+        return nnx.split(create_model(cfg, mesh=mesh), nnx.Param)
+
+    graphdef, params = setup("cudnn")
+
+    def grads(one_document):
+        fn = jax.value_and_grad(
+            lambda p, b: loss_fn(p, graphdef, b, one_document=one_document), has_aux=True
+        )
+        (loss, _), g = jax.jit(fn)(params, one)
+        return float(loss), jax.tree.leaves(g)
+
+    (l0, g0), (l1, g1) = grads(False), grads(True)
+    assert abs(l1 - l0) <= 1e-6 * abs(l0)
+    for a, b in zip(g0, g1, strict=True):
+        assert float(jnp.max(jnp.abs(a - b))) <= 1e-5 * (float(jnp.max(jnp.abs(a))) + 1e-12)
+
+    tx, _ = make_optimizer(1e-3)
+    losses = {}
+    for kernel in ("xla", "cudnn"):
+        graphdef, params = setup(kernel)
+        step = jax.jit(lambda p, o, b, g=graphdef: train_step(p, o, b, graphdef=g, tx=tx))
+        losses[kernel] = [float(step(params, tx.init(params), b)[2]["loss"]) for b in (one, packed)]
+    assert np.allclose(losses["cudnn"], losses["xla"], rtol=1e-6, atol=0), losses
