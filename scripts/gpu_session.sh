@@ -16,6 +16,8 @@
 #   bash scripts/gpu_session.sh train       # bench_train 8K/32K, lwm train tiny (about 5)
 #   bash scripts/gpu_session.sh train_more  # remat dots_saveable, packed rows, 128K (about 5)
 #   bash scripts/gpu_session.sh profile     # where one fwd+bwd call's time goes (about 2)
+#   bash scripts/gpu_session.sh second      # the known-order cuDNN schedule (8deb308): parity,
+#                                           # attention, profile, train steps (about 5)
 #
 # The README's demo on the GPU (`scripts/demo.py --platform gpu`) needs the video and dataset
 # packages too. Make its videos here (`python scripts/demo.py` stopped after its first two
@@ -39,7 +41,7 @@
 #
 # Every step writes its log under $OUT (what comes back); the last lines of each are printed.
 set -uo pipefail
-part=${1:?usage: gpu_session.sh check|first|attention|train|train_more|profile|demo}
+part=${1:?usage: gpu_session.sh check|first|second|attention|train|train_more|profile|demo}
 out=${OUT:-/tmp/gpu_session}
 mkdir -p "$out"
 
@@ -107,6 +109,17 @@ first)  # one call of at most 9 minutes: the issue's three measurements, tightes
         --seqs 8192,32768 --repeats 3
     step bench_train 150 python3 scripts/bench_train.py --platform gpu --sizes 7b-4l \
         --seqs 8192,32768 --attention blockwise --kernels cudnn --one-document --repeats 3
+    ;;
+second)  # one call of about 5 minutes: what 8deb308 changed, measured
+    step parity 150 python3 -m pytest -q -p no:cacheprovider tests/test_cudnn_attention.py -k gpu
+    step bench_attention 150 python3 scripts/bench_attention.py --platform gpu \
+        --seqs 8192,32768 --impls ours-cudnn,ours-cudnn-doc,cudnn --repeats 5
+    step profile 90 python3 scripts/profile_attention.py --platform gpu --seqs 8192 \
+        --impls cudnn,ours-cudnn,ours-cudnn-doc
+    step bench_train 200 python3 scripts/bench_train.py --platform gpu --sizes 7b-4l \
+        --seqs 8192,32768 --attention blockwise --kernels cudnn --one-document --repeats 3
+    step bench_train_packed 120 python3 scripts/bench_train.py --platform gpu --sizes 7b-4l \
+        --seqs 8192 --attention blockwise --kernels cudnn --repeats 3
     ;;
 attention)
     step info 60 python3 -m lwm info configs/tiny.yaml model.attention_kernel=auto
