@@ -20,6 +20,12 @@ document makes one cuDNN call per pair (as large as cuDNN alone would make on th
 in rows packed with documents only the pieces that hold a boundary fall back. The pairs'
 outputs are combined with their float32 log-sum-exps, as the ring combines chunks.
 
+Each of those choices is a conditional, and on a GPU the device idles while the host reads its
+predicate (1-2 ms per fwd+bwd call at 8K on an H200, more than the kernels' own gap to cuDNN;
+docs/benchmarks.md). So when the caller gives no positions and no segment ids (``Spec.order``:
+one document in a contiguous or zigzag order), every call is scheduled when tracing
+(`_ordered_forward`): nothing is decided at run time.
+
 Backward: JAX's own cuDNN rule is for one call; it drops the log-sum-exp's cotangent, so autodiff
 through the combine would be wrong. This module has its own VJP (as ring-flash-attention does
 with flash-attn): every live pair calls cuDNN's backward kernel with the **global** output and
