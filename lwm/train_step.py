@@ -166,7 +166,7 @@ def _grads_fn(params: nnx.State, graphdef: nnx.GraphDef, weights):
     on the device) takes the schedule that decides nothing at run time
     (`lwm.attention.cudnn`); any other batch, the general one. One conditional per step (per
     micro-batch) instead of one per block pair and layer; both branches are compiled, the
-    results are the same."""
+    results are the same. The metric ``one_document`` says which ran (1: that schedule)."""
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     model: LWMModel = nnx.merge(graphdef, params)
     cfg = model.cfg
@@ -180,7 +180,8 @@ def _grads_fn(params: nnx.State, graphdef: nnx.GraphDef, weights):
             return lambda: grad_fn(params, graphdef, batch, weights, counts, one_document)
 
         known = one_document_rows(batch["positions"], batch["segment_ids"], model.layout, sp)
-        return jax.lax.cond(known, run(True), run(False))
+        (loss, metrics), g = jax.lax.cond(known, run(True), run(False))
+        return (loss, dict(metrics, one_document=known.astype(jnp.float32))), g
 
     return grads
 
@@ -234,6 +235,8 @@ def train_step(
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
         zero_metrics = jax.tree.map(jnp.zeros_like, jax.eval_shape(lambda: grads_of(batch)[0][1]))
         (grads, metrics), _ = jax.lax.scan(accumulate, (zeros, zero_metrics), micro)
+        if "one_document" in metrics:  # summed over micro-batches: the share that took it
+            metrics["one_document"] = metrics["one_document"] / grad_accum
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
     updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)

@@ -151,9 +151,11 @@ def bench_one(
             times.append(time.perf_counter() - t0)
     dt = statistics.median(times)
     extra = {}
+    if "one_document" in m:  # cuDNN attention: 1 when the step took the known-order schedule
+        extra["one_document_schedule"] = float(m["one_document"])
     if dataset:
         wait = statistics.mean(waits)
-        extra = {
+        extra |= {
             "dataset": dataset,
             "read_threads": read_threads,
             "data_wait_s": round(wait, 5),

@@ -346,9 +346,12 @@ def test_one_document_schedule_gives_the_same_loss_and_gradients():
         assert float(jnp.max(jnp.abs(a - b))) <= 1e-5 * (float(jnp.max(jnp.abs(a))) + 1e-12)
 
     tx, _ = make_optimizer(1e-3)
-    losses = {}
+    losses, took = {}, []
     for kernel in ("xla", "cudnn"):
         graphdef, params = setup(kernel)
         step = jax.jit(lambda p, o, b, g=graphdef: train_step(p, o, b, graphdef=g, tx=tx))
-        losses[kernel] = [float(step(params, tx.init(params), b)[2]["loss"]) for b in (one, packed)]
+        metrics = [step(params, tx.init(params), b)[2] for b in (one, packed)]
+        losses[kernel] = [float(m["loss"]) for m in metrics]
+        took = [float(m.get("one_document", -1)) for m in metrics]
     assert np.allclose(losses["cudnn"], losses["xla"], rtol=1e-6, atol=0), losses
+    assert took == [1.0, 0.0]  # which schedule each batch took (the metric `one_document`)
