@@ -218,6 +218,26 @@ def test_ring_balanced_layouts_equal_dense_permuted(layout):
     assert_matches(ring_fn, lambda q, k, v: dense_attention(q, k, v), q, k, v)
 
 
+@pytest.mark.parametrize("sp", [2, 8])
+def test_ring_layout_without_positions_is_that_order(sp):
+    """`ring_attention(layout="zigzag")` given no positions takes the sequence to be in zigzag
+    order (each shard makes its own positions): the same as passing the permutation."""
+    s = 64
+    perm = zigzag_permutation(s, sp)
+    q, k, v = qkv(s=s)
+    mesh = mesh_of((1, 1, sp, 1))
+
+    def ring_fn(q, k, v):
+        out = ring_attention(
+            q[:, perm], k[:, perm], v[:, perm], mesh=mesh, layout="zigzag", block_q=4, block_k=4
+        )
+        return out[:, inverse_permutation(perm)]
+
+    assert_matches(ring_fn, lambda q, k, v: dense_attention(q, k, v), q, k, v)
+    with pytest.raises(ValueError, match="contiguous or zigzag order, not 'striped'"):
+        ring_attention(q, k, v, mesh=mesh, layout="striped")
+
+
 def test_ring_shard_not_multiple_of_block():
     q, k, v = qkv(s=48)  # 24 tokens per device, blocks of 16
     mesh = mesh_of((1, 1, 2, 1))
