@@ -16,6 +16,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from data.batches import BATCH_FIELDS, WINDOW_FIELD
+from lwm.attention import cudnn
 from lwm.attention.blockwise import resolve_kernel
 from lwm.base.mesh import SEQUENCE_AXIS, logical_to_spec
 from lwm.base.schedule import warmup_schedule
@@ -171,7 +172,10 @@ def _grads_fn(params: nnx.State, graphdef: nnx.GraphDef, weights):
     model: LWMModel = nnx.merge(graphdef, params)
     cfg = model.cfg
     platform = jax.default_backend() if model.mesh is None else model.mesh.devices.flat[0].platform
-    if cfg.attention == "dense" or resolve_kernel(cfg.attention_kernel, platform)[0] != "cudnn":
+    kernel, emulated = resolve_kernel(cfg.attention_kernel, platform)
+    # cuDNN takes bf16/fp16 only (else the XLA kernel runs: `lwm.attention.cudnn.unsupported`)
+    on_cudnn = kernel == "cudnn" and (emulated or jnp.dtype(cfg.dtype) in cudnn.DTYPES)
+    if cfg.attention == "dense" or not on_cudnn:
         return lambda batch, counts=None: grad_fn(params, graphdef, batch, weights, counts)
     sp = 1 if model.mesh is None else model.mesh.shape.get(SEQUENCE_AXIS, 1)
 

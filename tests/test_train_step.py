@@ -355,3 +355,28 @@ def test_one_document_schedule_gives_the_same_loss_and_gradients():
         took = [float(m.get("one_document", -1)) for m in metrics]
     assert np.allclose(losses["cudnn"], losses["xla"], rtol=1e-6, atol=0), losses
     assert took == [1.0, 0.0]  # which schedule each batch took (the metric `one_document`)
+
+
+def test_one_document_choice_is_built_only_where_cudnn_runs(monkeypatch):
+    """On a GPU (simulated: the kernel resolves to cuDNN's own), the step chooses between the
+    two schedules for bfloat16 compute only: with float32 cuDNN refuses the inputs, the XLA
+    kernel runs either way, and compiling a second branch would buy nothing. (Read from the
+    metric the choice adds.)"""
+    import lwm.train_step as ts
+
+    real = ts.resolve_kernel
+    monkeypatch.setattr(
+        ts, "resolve_kernel", lambda k, p=None: ("cudnn", False) if k == "cudnn" else real(k, p)
+    )
+    mesh = make_mesh("1,1,8,1")
+    tx, _ = make_optimizer(1e-3)
+    chooses = {}
+    for dtype in ("float32", "bfloat16"):
+        cfg = load_config("configs/debug.yaml").model.model_copy(
+            update={"attention": "ring", "attention_kernel": "cudnn", "dtype": dtype}
+        )
+        graphdef, params = nnx.split(create_model(cfg, mesh=mesh), nnx.Param)
+        step = jax.jit(lambda p, o, b, g=graphdef: train_step(p, o, b, graphdef=g, tx=tx))
+        metrics = jax.eval_shape(step, params, tx.init(params), abstract_batch(mesh, 2, 64))[2]
+        chooses[dtype] = "one_document" in metrics
+    assert chooses == {"float32": False, "bfloat16": True}
