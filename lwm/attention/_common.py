@@ -37,6 +37,18 @@ def union_vma(xs: Iterable[jax.Array | None]) -> frozenset[str]:
     return out
 
 
+def axis_size(axis_name: str | None) -> int:
+    """Devices along the ring's mesh axis (1 when there is none: the whole sequence is local)."""
+    return 1 if axis_name is None else jax.lax.axis_size(axis_name)
+
+
+def one_document_order(layout, q, k, q_pos, kv_pos, q_seg, kv_seg) -> str | None:
+    """`Spec.order` of a call: ``layout`` when no positions and no segment ids are given (one
+    document in that order, self-attention), else None (positions and segment ids decide)."""
+    given = (q_pos, kv_pos, q_seg, kv_seg)
+    return layout if all(x is None for x in given) and q.shape[1] == k.shape[1] else None
+
+
 def make_varying(x: jax.Array, vma: frozenset[str]) -> jax.Array:
     """Mark ``x`` as varying over ``vma`` (needed for scan/cond carries under check_vma)."""
     missing = tuple(sorted(vma - vma_of(x)))

@@ -19,11 +19,13 @@ from jax import lax
 
 from lwm.attention import blocks, cudnn, pallas
 from lwm.attention._common import (
+    axis_size,
     check_qkv,
     check_segments,
     default_positions,
     full,
     make_varying,
+    one_document_order,
     union_vma,
 )
 from lwm.attention.blocks import (
@@ -46,10 +48,6 @@ from lwm.attention.blocks import (
 
 def _ring_perm(n: int) -> list[tuple[int, int]]:
     return [(i, (i + 1) % n) for i in range(n)]
-
-
-def _axis_size(axis_name: str | None) -> int:
-    return 1 if axis_name is None else lax.axis_size(axis_name)
 
 
 def _send(tree, axis_name: str, n: int):
@@ -86,7 +84,7 @@ def _forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec: Spec, axis_name: str |
     own_kv = kv
     fwd_chunk = _kernel(spec).fwd_chunk
     stats = init_stats(qs, vma)
-    n = _axis_size(axis_name)
+    n = axis_size(axis_name)
     if n > 1:
 
         def step(carry, _):
@@ -114,7 +112,7 @@ def _backward(res, dout, spec: Spec, axis_name: str | None):
         full(kv.k.shape, 0.0, F32, vma),
         full(kv.k.shape, 0.0, F32, vma),
     )
-    n = _axis_size(axis_name)
+    n = axis_size(axis_name)
     if n > 1:
 
         def step(carry, _):
@@ -265,7 +263,6 @@ def blockwise_attention(
     (emulated off a GPU) or ``auto``.
     """
     given = (q_positions, kv_positions, q_segment_ids, kv_segment_ids)
-    one_document = all(x is None for x in given) and q.shape[1] == k.shape[1]
     args, spec = prepare_inputs(
         q,
         k,
@@ -280,7 +277,7 @@ def blockwise_attention(
         scale=scale,
         precision=precision,
         kernel=kernel,
-        order="contiguous" if one_document else None,
+        order=one_document_order("contiguous", q, k, *given),
     )
     return core_for(spec)(*args, spec, None)
 

@@ -51,7 +51,15 @@ import jax.numpy as jnp
 from jax import lax
 
 from lwm.attention import blocks
-from lwm.attention._common import DEAD, FULL, block_kind, full, make_varying, union_vma
+from lwm.attention._common import (
+    DEAD,
+    FULL,
+    axis_size,
+    block_kind,
+    full,
+    make_varying,
+    union_vma,
+)
 from lwm.attention.blocks import F32, Spec
 
 log = logging.getLogger(__name__)
@@ -425,7 +433,7 @@ def _forward(q, k, v, qp, kp, qsg, ksg, spec: Spec, axis_name):
     if _known_order(spec, axis_name):
         return _ordered_forward(q, k, v, spec, axis_name)
     vma = union_vma((q, k, v, qp, kp, qsg, ksg))
-    n = 1 if axis_name is None else lax.axis_size(axis_name)
+    n = axis_size(axis_name)
     m = _num_pieces(axis_name, q.shape[1], k.shape[1])
     if n == 1 and m == 1:  # one pair is the whole attention: no float32 accumulator
         return _pair_fwd(q, k, v, qp, qsg, kp, ksg, spec, vma, dtype=q.dtype)
@@ -453,7 +461,7 @@ def _backward(res, dout, spec: Spec, axis_name):
         return _ordered_backward(res, dout, spec, axis_name)
     q, k, v, qp, kp, qsg, ksg, out, lse = res
     vma = union_vma(jax.tree.leaves(res))
-    n = 1 if axis_name is None else lax.axis_size(axis_name)
+    n = axis_size(axis_name)
     m = _num_pieces(axis_name, q.shape[1], k.shape[1])
     if n == 1 and m == 1:  # one pair: its gradients are the whole ones, in the input dtype
         operands = (q, k, v, out, lse, dout, qp, qsg, kp, ksg)
@@ -492,7 +500,7 @@ def _known_order(spec: Spec, axis_name: str | None) -> bool:
     device, or the zigzag layout over the ring with causal (or no) masking."""
     if spec.order is None:
         return False
-    n = 1 if axis_name is None else lax.axis_size(axis_name)
+    n = axis_size(axis_name)
     return n == 1 or (spec.order == "zigzag" and spec.kv_len % 2 == 0)
 
 
@@ -520,29 +528,31 @@ def _ordered_forward(q, k, v, spec: Spec, axis_name):
     calls of half a shard each, as ring-flash-attention schedules zigzag rings."""
     fwd, _ = _kernels(spec)
     out, lse = fwd(q, k, v, spec.causal, spec.scale)
-    n = 1 if axis_name is None else lax.axis_size(axis_name)
+    n = axis_size(axis_name)
     if n == 1:
         return out, lse.astype(F32)
     vma = union_vma((q, k, v))
     c = q.shape[1] // 2
     acc = (out.astype(F32), lse.astype(F32))
 
+    def part(a, b, k, v, acc):
+        """Fold (query half a, key half b), unmasked, into the queries' half a: a, b traced."""
+        o, lse_o = fwd(_half(q, a, c), _half(k, b, c), _half(v, b, c), False, spec.scale)
+        out, lse = acc
+        out_a, lse_a = _merge(_half(out, a, c), _half(lse, a, c, 2), o.astype(F32), lse_o)
+        return (
+            lax.dynamic_update_slice_in_dim(out, out_a, a * c, axis=1),
+            lax.dynamic_update_slice_in_dim(lse, lse_a, a * c, axis=2),
+        )
+
     def fold(kv, acc, step):
         k, v = kv
         if not spec.causal:  # everything is visible: one call
             o, lse_o = fwd(q, k, v, False, spec.scale)
             return _merge(*acc, o.astype(F32), lse_o.astype(F32))
-        out, lse = acc
-        o1, l1 = fwd(_half(q, 1, c), _half(k, 0, c), _half(v, 0, c), False, spec.scale)
-        out1, lse1 = _merge(_half(out, 1, c), _half(lse, 1, c, 2), o1.astype(F32), l1)
-        out = lax.dynamic_update_slice_in_dim(out, out1, c, axis=1)
-        lse = lax.dynamic_update_slice_in_dim(lse, lse1, c, axis=2)
+        acc = part(1, 0, k, v, acc)
         a = 1 - _ring_position(axis_name, step)  # 0: first x first, 1: second x second
-        o2, l2 = fwd(_half(q, a, c), _half(k, a, c), _half(v, a, c), False, spec.scale)
-        out2, lse2 = _merge(_half(out, a, c), _half(lse, a, c, 2), o2.astype(F32), l2)
-        out = lax.dynamic_update_slice_in_dim(out, out2, a * c, axis=1)
-        lse = lax.dynamic_update_slice_in_dim(lse, lse2, a * c, axis=2)
-        return out, lse
+        return part(a, a, k, v, acc)
 
     def step(carry, s):
         kv, acc = carry
@@ -564,7 +574,7 @@ def _ordered_backward(res, dout, spec: Spec, axis_name):
     q, k, v, _, _, _, _, out, lse = res
     _, bwd = _kernels(spec)
     dq, dk, dv = bwd(q, k, v, out, lse, dout, spec.causal, spec.scale)
-    n = 1 if axis_name is None else lax.axis_size(axis_name)
+    n = axis_size(axis_name)
     if n == 1:
         return dq, dk, dv
     vma = union_vma((q, k, v, out, lse, dout))

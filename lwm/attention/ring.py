@@ -18,7 +18,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from lwm.attention._common import check_qkv, default_positions
+from lwm.attention._common import check_qkv, default_positions, one_document_order
 from lwm.attention.blockwise import core_for, prepare_inputs, resolve_kernel
 from lwm.attention.layout import Layout, layout_permutation, ring_block_size
 from lwm.base.mesh import BATCH_AXES, SEQUENCE_AXIS
@@ -57,7 +57,7 @@ def ring_attention_local(
     b, s_local = q.shape[0], q.shape[1]
     ring = axis_name is not None and lax.axis_size(axis_name) > 1
     given = (q_positions, kv_positions, q_segment_ids, kv_segment_ids)
-    order = layout if all(x is None for x in given) and q.shape[1] == k.shape[1] else None
+    order = one_document_order(layout, q, k, *given)
     if q_positions is None or kv_positions is None:
         default = _shard_positions(layout, axis_name, b, s_local)
         q_positions = default if q_positions is None else q_positions
