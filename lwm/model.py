@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
@@ -36,6 +37,13 @@ def sequence_layout(cfg: ModelConfig, sp: int) -> Layout:
     with ``cfg.zigzag`` (load-balanced causal work, `lwm.attention.layout`), else contiguous.
     `lwm train` lays its batches out in this order and the model's attention assumes it."""
     return "zigzag" if cfg.attention == "ring" and cfg.zigzag and sp > 1 else "contiguous"
+
+
+def row_permutation(cfg: ModelConfig, seq_len: int, sp: int) -> np.ndarray | None:
+    """The permutation `lwm train` applies to each row (`sequence_layout`'s order), or None
+    where that order is the sequence's own (contiguous)."""
+    order = sequence_layout(cfg, sp)
+    return None if order == "contiguous" else layout_permutation(order, seq_len, sp)
 
 
 def one_document_rows(
@@ -177,10 +185,19 @@ class LWMModel(nnx.Module):
         return self._constrain(w, *(None if a == "embed" else a for a in axes))
 
     @property
+    def sequence_shards(self) -> int:
+        """Devices of the mesh's sequence axis (1 without a mesh)."""
+        return 1 if self.mesh is None else self.mesh.shape.get(SEQUENCE_AXIS, 1)
+
+    @property
     def layout(self) -> Layout:
         """The order of each row's tokens over the mesh (`sequence_layout`)."""
-        sp = 1 if self.mesh is None else self.mesh.shape.get(SEQUENCE_AXIS, 1)
-        return sequence_layout(self.cfg, sp)
+        return sequence_layout(self.cfg, self.sequence_shards)
+
+    def rows_are_one_document(self, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
+        """`one_document_rows` in this model's layout: whether ``hidden_states`` may be told
+        ``one_document=True``."""
+        return one_document_rows(positions, segment_ids, self.layout, self.sequence_shards)
 
     def _attention(self, q, k, v, positions, segment_ids):
         """Attention of one layer; ``positions`` and ``segment_ids`` None: every row is one

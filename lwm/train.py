@@ -27,12 +27,11 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from lwm.attention.layout import layout_permutation
 from lwm.base.mesh import MeshError, check_batch_fits
 from lwm.base.metrics import MetricsWriter
 from lwm.config import Config, config_to_yaml
 from lwm.info import flops_per_token, measure_peak_flops
-from lwm.model import sequence_layout
+from lwm.model import row_permutation
 from lwm.runs import (
     checkpoint_manager,
     restore_newest,
@@ -129,8 +128,7 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
         )
     check_batch_fits(mesh, tc.batch_size // tc.grad_accum, seq_len)
     sp = mesh.shape["sp"]
-    order = sequence_layout(model_cfg, sp)  # the order the model's attention assumes
-    layout = None if order == "contiguous" else layout_permutation(order, seq_len, sp)
+    layout = row_permutation(model_cfg, seq_len, sp)  # the order the model's attention assumes
 
     output = Path(tc.output_dir)
     tx, schedule = optimizer_from_config(tc)

@@ -18,12 +18,12 @@ from jax.sharding import PartitionSpec as P
 from data.batches import BATCH_FIELDS, WINDOW_FIELD
 from lwm.attention import cudnn
 from lwm.attention.blockwise import resolve_kernel
-from lwm.base.mesh import SEQUENCE_AXIS, logical_to_spec
+from lwm.base.mesh import logical_to_spec
 from lwm.base.schedule import warmup_schedule
 from lwm.config import ModelConfig, TrainConfig, optimizer_problem
 from lwm.info import is_block_matrix
 from lwm.loss import Targets, loss_from_sums, loss_sums, target_counts
-from lwm.model import LWMModel, abstract_params, one_document_rows
+from lwm.model import LWMModel, abstract_params
 
 
 def muon_dimension_numbers(params: nnx.State) -> nnx.State:
@@ -173,17 +173,19 @@ def _grads_fn(params: nnx.State, graphdef: nnx.GraphDef, weights):
     cfg = model.cfg
     platform = jax.default_backend() if model.mesh is None else model.mesh.devices.flat[0].platform
     kernel, emulated = resolve_kernel(cfg.attention_kernel, platform)
-    # cuDNN takes bf16/fp16 only (else the XLA kernel runs: `lwm.attention.cudnn.unsupported`)
-    on_cudnn = kernel == "cudnn" and (emulated or jnp.dtype(cfg.dtype) in cudnn.DTYPES)
+    # What cuDNN refuses (`lwm.attention.cudnn.unsupported`: float32, some head sizes) runs on
+    # the XLA kernel either way: no second branch for it.
+    q = jax.ShapeDtypeStruct((1, 1, cfg.num_heads, cfg.head_dim), cfg.dtype)
+    k = jax.ShapeDtypeStruct((1, 1, cfg.num_kv_heads, cfg.head_dim), cfg.dtype)
+    on_cudnn = kernel == "cudnn" and (emulated or cudnn.unsupported(q, k) is None)
     if cfg.attention == "dense" or not on_cudnn:
         return lambda batch, counts=None: grad_fn(params, graphdef, batch, weights, counts)
-    sp = 1 if model.mesh is None else model.mesh.shape.get(SEQUENCE_AXIS, 1)
 
     def grads(batch, counts=None):
         def run(one_document):
             return lambda: grad_fn(params, graphdef, batch, weights, counts, one_document)
 
-        known = one_document_rows(batch["positions"], batch["segment_ids"], model.layout, sp)
+        known = model.rows_are_one_document(batch["positions"], batch["segment_ids"])
         (loss, metrics), g = jax.lax.cond(known, run(True), run(False))
         return (loss, dict(metrics, one_document=known.astype(jnp.float32))), g
 

@@ -35,11 +35,10 @@ import numpy as np
 from flax import nnx
 
 from data.batches import SyntheticTokenLoader
-from lwm.attention.layout import layout_permutation
 from lwm.base.mesh import MeshError, make_mesh, use_platform
 from lwm.config import load_config
 from lwm.info import flops_per_token, measure_peak_flops, param_counts
-from lwm.model import create_model, sequence_layout
+from lwm.model import create_model, row_permutation
 from lwm.train_step import (
     abstract_train_state,
     batch_sharding,
@@ -98,8 +97,7 @@ def bench_one(
     opt_shardings = jax.tree.map(lambda x: x.sharding, abs_opt)
     opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
     sp = mesh.shape["sp"]
-    order = sequence_layout(cfg, sp)  # the order the model's attention assumes
-    layout = None if order == "contiguous" else layout_permutation(order, seq, sp)
+    layout = row_permutation(cfg, seq, sp)  # the order the model's attention assumes
     if dataset:
         from data.loader import TokenDatasetLoader
 

@@ -362,8 +362,11 @@ def test_one_document_choice_is_built_only_where_cudnn_runs(monkeypatch):
     two schedules for bfloat16 compute only: with float32 cuDNN refuses the inputs, the XLA
     kernel runs either way, and compiling a second branch would buy nothing. (Read from the
     metric the choice adds.)"""
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+
     import lwm.train_step as ts
 
+    monkeypatch.setattr(fa, "check_cudnn_version", lambda: 91000)  # the GPU's cuDNN
     real = ts.resolve_kernel
     monkeypatch.setattr(
         ts, "resolve_kernel", lambda k, p=None: ("cudnn", False) if k == "cudnn" else real(k, p)
