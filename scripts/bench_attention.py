@@ -174,33 +174,18 @@ def make_inputs(mesh: Mesh, seq: int, seed: int = 0) -> Inputs:
 # The three implementations, as f(q, k, v, positions) -> out on global arrays
 
 
-def ours_fn(mesh: Mesh, block: int, kernel: str | None = None) -> AttnFn:
-    def f(q, k, v, positions):
-        return ring_attention(
-            q,
-            k,
-            v,
-            mesh=mesh,
-            causal=True,
-            block_q=block,
-            block_k=block,
-            q_positions=positions,
-            kv_positions=positions,
-            kernel=kernel or KERNEL,
-        )
-
-    return f
-
-
-def ours_document_fn(mesh: Mesh, block: int) -> AttnFn:
-    """Ours with cuDNN blocks, told the order (zigzag) instead of given positions: the same
-    attention, scheduled without run-time choices (`lwm.attention.cudnn`)."""
+def ours_fn(
+    mesh: Mesh, block: int, kernel: str | None = None, positions_given: bool = True
+) -> AttnFn:
+    """Our ring attention given the zigzag positions, or (``positions_given=False``) told the
+    order instead (``layout="zigzag"``): the same attention, which the cuDNN kernel then
+    schedules without run-time choices (`lwm.attention.cudnn`)."""
 
     def f(q, k, v, positions):
-        del positions  # the zigzag permutation, which layout="zigzag" makes itself
+        kw = dict(q_positions=positions, kv_positions=positions)
         return ring_attention(
-            q, k, v, mesh=mesh, causal=True, block_q=block, block_k=block, kernel="cudnn",
-            layout="zigzag",
+            q, k, v, mesh=mesh, causal=True, block_q=block, block_k=block,
+            kernel=kernel or KERNEL, layout="zigzag", **(kw if positions_given else {}),
         )  # fmt: skip
 
     return f
@@ -273,7 +258,7 @@ def dense_fn(mesh: Mesh, block: int) -> AttnFn:
 IMPL_FNS: dict[str, Callable[[Mesh, int], AttnFn]] = {
     "ours": ours_fn,
     "ours-cudnn": partial(ours_fn, kernel="cudnn"),
-    "ours-cudnn-doc": ours_document_fn,
+    "ours-cudnn-doc": partial(ours_fn, kernel="cudnn", positions_given=False),
     "cudnn": cudnn_fn,
     "ringattention": reference_fn,
     "dense": dense_fn,
