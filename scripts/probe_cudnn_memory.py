@@ -1,20 +1,29 @@
-"""Temporary memory the compiler plans for the gradient of a few attention layers on the
-`cudnn` path, with cuDNN's two kernels replaced by cheap stand-ins (so only our code around
-them counts), on one CPU device. It isolates why the 7b-4l train step at 32K did not fit one
-H200 with `attention_kernel: cudnn` (docs/benchmarks.md, "Measured on the H200"): inside a
-`lax.scan` over the layers, the XLA fallback's forward inside a pair's `lax.switch` is
-compiled with temporaries that grow with the square of the sequence.
+"""Temporary memory the compiler plans on the `cudnn` attention path, with cuDNN's two kernels
+replaced by cheap stand-ins (so only our code around them counts), on one CPU device: for the
+gradient of a few attention layers, or for the whole train step of LWM-7B's width. It isolated
+why the 7b-4l train step did not fit one H200 with `attention_kernel: cudnn` at 32K, and later
+at 128K (docs/benchmarks.md, "Measured on the H200" and "Memory of the general path"): inside
+a `lax.scan` over the layers, JAX hoisted what depends on positions alone out of the scan,
+with temporaries that grow with the square of the sequence.
 
     python scripts/probe_cudnn_memory.py --seq 8192 --cases plain,scan,scan-nogenfwd,scan-xla
+    python scripts/probe_cudnn_memory.py --seq 131072 --cases step,step-doc,step-general
 
-Cases: ``plain`` (4 layers unrolled), ``scan`` (4 layers in a `lax.scan`, as `scan_layers`),
-``-nosplit`` (no 4K pieces), ``-nogenfwd`` / ``-nogenbwd`` (the XLA fallback's forward or
-backward stubbed out), ``-xla`` (the XLA kernel instead of cuDNN pairs). One JSON line each.
+Attention cases: ``plain`` (``--layers`` layers unrolled), ``scan`` (in a `lax.scan`, as
+`scan_layers`), ``-nosplit`` (general pairs not cut into pieces of ``--piece`` tokens),
+``-nogenfwd`` / ``-nogenbwd`` (the XLA fallback's forward or backward stubbed out), ``-xla``
+(the XLA kernel instead of cuDNN pairs). Train-step cases (configs/7b.yaml with ``--layers``
+layers, bf16 compute, float32 parameters and AdamW, remat ``nothing_saveable``, batch 1, as
+`scripts/bench_train.py --sizes 7b-4l` compiles it): ``step`` (as `lwm train` compiles it: the
+known-order schedule or the general one, chosen per step by one `lax.cond`), ``step-doc`` and
+``step-general`` (only that schedule); ``KEY=VALUE`` overrides apply to these. One JSON line
+each.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 
 from lwm.base.mesh import use_cpu_devices
@@ -26,25 +35,30 @@ def main() -> int:
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--piece", type=int, help="lwm.attention.cudnn.PIECE (default 4096)")
     p.add_argument("--cases", default="plain,scan,scan-nogenfwd,scan-nogenbwd,scan-xla")
-    args = p.parse_args()
+    p.add_argument(
+        "overrides", nargs="*", metavar="KEY=VALUE", help="config overrides for step cases"
+    )
+    args = p.parse_intermixed_args()
     use_cpu_devices(1)
     for case in args.cases.split(","):
         print(json.dumps(probe(case, args)), flush=True)
     return 0
 
 
-def probe(case: str, args: argparse.Namespace) -> dict:
-    import jax
+@contextlib.contextmanager
+def stand_ins(case: str, piece: int | None):
+    """cuDNN's kernels as cheap functions with its output conventions; the fallback's halves
+    stubbed out where ``case`` says; `lwm.attention.cudnn.PIECE` set. Restored after."""
     import jax.numpy as jnp
 
     import lwm.attention.cudnn as cd
-    from lwm.attention import blockwise_attention
     from lwm.attention.blocks import F32
 
     saved = (cd._emulated_fwd, cd._emulated_bwd, cd._xla_pair_fwd, cd._xla_pair_bwd, cd.PIECE)
 
-    def fwd(q, k, v, causal, scale):  # cheap, with cuDNN's output conventions
+    def fwd(q, k, v, causal, scale):
         b, t, h, _ = q.shape
         return (q * jnp.mean(v)).astype(q.dtype), jnp.zeros((b, h, t), F32) + jnp.mean(k)
 
@@ -53,6 +67,8 @@ def probe(case: str, args: argparse.Namespace) -> dict:
         return (q * s).astype(q.dtype), (k * s).astype(k.dtype), (v * s).astype(v.dtype)
 
     cd._emulated_fwd, cd._emulated_bwd = fwd, bwd
+    if piece:
+        cd.PIECE = piece
     if "nosplit" in case:
         cd.PIECE = 1 << 30
     if "nogenfwd" in case:
@@ -66,6 +82,36 @@ def probe(case: str, args: argparse.Namespace) -> dict:
             jnp.zeros(k.shape, F32),
             jnp.zeros(k.shape, F32),
         )
+    try:
+        yield
+    finally:
+        cd._emulated_fwd, cd._emulated_bwd, cd._xla_pair_fwd, cd._xla_pair_bwd, cd.PIECE = saved
+
+
+def probe(case: str, args: argparse.Namespace) -> dict:
+    import lwm.attention.cudnn as cd
+
+    with stand_ins(case, args.piece):
+        piece = cd.PIECE
+        compiled = (step_compiled if case.startswith("step") else attention_compiled)(case, args)
+        temp = compiled.memory_analysis().temp_size_in_bytes
+    return {
+        "bench": "cudnn_memory_probe",
+        "case": case,
+        "seq": args.seq,
+        "layers": args.layers,
+        "piece": piece,
+        **({"overrides": args.overrides} if args.overrides else {}),
+        "temp_gib": temp / 2**30,
+    }
+
+
+def attention_compiled(case: str, args: argparse.Namespace):
+    import jax
+    import jax.numpy as jnp
+
+    from lwm.attention import blockwise_attention
+
     kernel = "xla" if "xla" in case else "cudnn"
     x = jax.ShapeDtypeStruct((1, args.seq, args.heads, args.head_dim), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((args.layers, args.head_dim), jnp.bfloat16)
@@ -86,12 +132,47 @@ def probe(case: str, args: argparse.Namespace) -> dict:
                 x = layer(x, w[i], pos)
         return jnp.sum(x.astype(jnp.float32))
 
-    try:
-        compiled = jax.jit(jax.grad(loss)).lower(w, x, pos).compile()
-        temp = compiled.memory_analysis().temp_size_in_bytes
-    finally:
-        cd._emulated_fwd, cd._emulated_bwd, cd._xla_pair_fwd, cd._xla_pair_bwd, cd.PIECE = saved
-    return {"bench": "cudnn_memory_probe", "case": case, "seq": args.seq, "temp_gib": temp / 2**30}
+    return jax.jit(jax.grad(loss)).lower(w, x, pos).compile()
+
+
+def step_compiled(case: str, args: argparse.Namespace):
+    from unittest import mock
+
+    import jax
+
+    import lwm.train_step as ts
+    from lwm.base.mesh import make_mesh
+    from lwm.config import load_config
+
+    overrides = [
+        f"model.num_layers={args.layers}",
+        f"model.max_seq_len={args.seq}",
+        "model.attention=blockwise",
+        "model.attention_kernel=cudnn",  # on the CPU: the stand-ins above
+        "model.block_q=512",
+        "model.block_k=512",
+        "model.remat_policy=nothing_saveable",
+        "model.dtype=bfloat16",
+        *args.overrides,
+    ]
+    cfg = load_config("configs/7b.yaml", overrides).model
+    mesh = make_mesh((1, 1, 1, 1))
+    tx, _ = ts.make_optimizer(1e-4)
+    graphdef, params, opt_state = ts.abstract_train_state(cfg, mesh, tx)
+    batch = ts.abstract_batch(mesh, 1, args.seq)
+    grads_fn = ts._grads_fn
+    if case != "step":  # one schedule only, instead of the per-step choice
+        one_document = case == "step-doc"
+
+        def grads_fn(params, graphdef, weights):
+            grad_fn = jax.value_and_grad(ts.loss_fn, has_aux=True)
+            return lambda batch, counts=None: grad_fn(
+                params, graphdef, batch, weights, counts, one_document
+            )
+
+    with mock.patch.object(ts, "_grads_fn", grads_fn):
+        step = ts.jit_train_step(graphdef, tx, mesh, params, opt_state)
+        return step.lower(params, opt_state, batch).compile()
 
 
 if __name__ == "__main__":

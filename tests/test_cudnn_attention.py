@@ -236,9 +236,12 @@ def test_real_kernels_lower_for_cuda_from_this_host(monkeypatch):
 
 def test_layers_in_a_scan_do_not_hoist_quadratic_masks():
     """The gradient of attention layers in a `lax.scan` (as `scan_layers` runs the model) plans
-    no more temporary memory on the cuDNN path than with the XLA kernel. Without the barrier in
-    `_xla_pair_fwd` JAX hoisted the fallback's masks of every block pair out of the scan: 12x
-    the XLA kernel's temporaries here, 210 GiB for the 1.14B model at 32K on an H200."""
+    no more temporary memory on the cuDNN path than with the XLA kernel, and no more when a
+    general pair is cut into 16 pieces a side than when it is not. Without the barrier in
+    `_switch` JAX hoisted out of the scan what depends on positions alone: first the
+    fallback's masks of every block pair (12x the XLA kernel's temporaries at 4K, 210 GiB for
+    the 1.14B model at 32K on an H200), then every piece's constants (2.6x the unsplit
+    temporaries here, 162 GiB planned for that model at 128K)."""
     import json
     import os
     import subprocess
@@ -249,7 +252,8 @@ def test_layers_in_a_scan_do_not_hoist_quadratic_masks():
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
     run = subprocess.run(
         [sys.executable, str(root / "scripts" / "probe_cudnn_memory.py"), "--seq", "4096"]
-        + ["--heads", "4", "--head-dim", "32", "--cases", "scan,scan-xla"],
+        + ["--heads", "4", "--head-dim", "32", "--piece", "256"]
+        + ["--cases", "scan,scan-nosplit,scan-xla"],
         capture_output=True,
         text=True,
         env=env,
@@ -259,6 +263,7 @@ def test_layers_in_a_scan_do_not_hoist_quadratic_masks():
     assert run.returncode == 0, run.stderr[-2000:]
     temp = {r["case"]: r["temp_gib"] for r in map(json.loads, run.stdout.splitlines())}
     assert temp["scan"] <= 1.5 * temp["scan-xla"], temp
+    assert temp["scan"] <= 1.2 * temp["scan-nosplit"], temp
 
 
 # ---------------------------------------------------------------------------------------------

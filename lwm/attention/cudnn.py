@@ -207,6 +207,14 @@ def _switch(kind, dead, causal, full_, general, *operands):
     index = jnp.select([kind == DEAD, kind == CAUSAL, kind == FULL], [0, 1, 2], default=3).astype(
         jnp.int32
     )
+    # Tie the index (positions and segment ids alone) to the operands (this layer's q, k, v).
+    # Otherwise JAX, differentiating a `lax.scan` over layers, hoists out of the scan whatever
+    # of the pair depends on positions alone (the index, so the switch, and in each branch its
+    # constants and masks), and a general pair's pieces stack theirs: temporaries quadratic in
+    # the sequence (34 GiB for 4 layers at 8K from the XLA fallback's masks; later 100 GiB for
+    # the 1.14B model at 128K from every piece's zeros; `scripts/probe_cudnn_memory.py`,
+    # docs/benchmarks.md).
+    index, operands = lax.optimization_barrier((index, operands))
     return lax.switch(index, [dead, causal, full_, general], *operands)
 
 
@@ -222,11 +230,6 @@ def _lse_to_blocks(lse: jax.Array, kvh: int, block: int) -> jax.Array:
 
 
 def _xla_pair_fwd(q, k, v, qp, qsg, kp, ksg, spec: Spec, vma):
-    # Tie positions and segment ids to this layer's q, k, v: otherwise JAX, differentiating a
-    # `lax.scan` over layers, hoists the masks (which depend on positions alone) out of the
-    # scan for every block pair at once: temporaries quadratic in the sequence (34 GiB for 4
-    # layers at 8K; `scripts/probe_cudnn_memory.py`, docs/benchmarks.md).
-    q, k, v, qp, qsg, kp, ksg = lax.optimization_barrier((q, k, v, qp, qsg, kp, ksg))
     kvh = k.shape[2]
     qs = blocks.split_q(q, qp, qsg, kvh, spec.block_q)
     kv = blocks.split_kv(k, v, kp, ksg, spec.block_k)
@@ -238,7 +241,6 @@ def _xla_pair_fwd(q, k, v, qp, qsg, kp, ksg, spec: Spec, vma):
 
 
 def _xla_pair_bwd(q, k, v, out, lse, dout, qp, qsg, kp, ksg, spec: Spec, vma):
-    q, k, v, qp, qsg, kp, ksg = lax.optimization_barrier((q, k, v, qp, qsg, kp, ksg))  # as fwd
     kvh = k.shape[2]
     qs = blocks.split_q(q, qp, qsg, kvh, spec.block_q)
     kv = blocks.split_kv(k, v, kp, ksg, spec.block_k)
