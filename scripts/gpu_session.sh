@@ -14,10 +14,11 @@
 #
 #   bash scripts/gpu_session.sh attention   # parity tests, bench_attention (about 4 minutes)
 #   bash scripts/gpu_session.sh train       # bench_train 8K/32K, lwm train tiny (about 5)
-#   bash scripts/gpu_session.sh train_more  # remat dots_saveable, packed rows, 128K (about 5)
+#   bash scripts/gpu_session.sh train_more  # remat dots_saveable, packed rows, 256K (about 6)
 #   bash scripts/gpu_session.sh profile     # where one fwd+bwd call's time goes (about 2)
-#   bash scripts/gpu_session.sh second      # the known-order cuDNN schedule (8deb308): parity,
-#                                           # attention, profile, train steps (about 5)
+#   bash scripts/gpu_session.sh second      # the known-order cuDNN schedule (8deb308) and the
+#                                           # general path's memory (aae31ed): parity, attention,
+#                                           # train steps 8K-128K, packed rows (about 6)
 #
 # The README's demo on the GPU (`scripts/demo.py --platform gpu`) needs the video and dataset
 # packages too. Make its videos here (`python scripts/demo.py` stopped after its first two
@@ -110,15 +111,14 @@ first)  # one call of at most 9 minutes: the issue's three measurements, tightes
     step bench_train 150 python3 scripts/bench_train.py --platform gpu --sizes 7b-4l \
         --seqs 8192,32768 --attention blockwise --kernels cudnn --one-document --repeats 3
     ;;
-second)  # one call of about 5 minutes: what 8deb308 changed, measured
-    step parity 150 python3 -m pytest -q -p no:cacheprovider tests/test_cudnn_attention.py -k gpu
-    step bench_attention 150 python3 scripts/bench_attention.py --platform gpu \
+second)  # one call of about 6 minutes (timeout_s 590): the known-order schedule (8deb308) and
+    # the general path's memory (aae31ed), measured
+    step parity 90 python3 -m pytest -q -p no:cacheprovider tests/test_cudnn_attention.py -k gpu
+    step bench_attention 110 python3 scripts/bench_attention.py --platform gpu \
         --seqs 8192,32768 --impls ours-cudnn,ours-cudnn-doc,cudnn --repeats 5
-    step profile 90 python3 scripts/profile_attention.py --platform gpu --seqs 8192 \
-        --impls cudnn,ours-cudnn,ours-cudnn-doc
-    step bench_train 200 python3 scripts/bench_train.py --platform gpu --sizes 7b-4l \
-        --seqs 8192,32768 --attention blockwise --kernels cudnn --one-document --repeats 3
-    step bench_train_packed 120 python3 scripts/bench_train.py --platform gpu --sizes 7b-4l \
+    step bench_train 270 python3 scripts/bench_train.py --platform gpu --sizes 7b-4l \
+        --seqs 8192,32768,131072 --attention blockwise --kernels cudnn --one-document --repeats 3
+    step bench_train_packed 100 python3 scripts/bench_train.py --platform gpu --sizes 7b-4l \
         --seqs 8192 --attention blockwise --kernels cudnn --repeats 3
     ;;
 attention)
@@ -141,8 +141,9 @@ train_more)
         --repeats 5
     step bench_train_packed 150 python3 scripts/bench_train.py --platform gpu --sizes 7b-4l \
         --seqs 8192 --attention blockwise --kernels cudnn --repeats 3
-    step bench_train_128k 150 python3 scripts/bench_train.py --platform gpu --sizes 7b-4l \
-        --seqs 131072 --attention blockwise --kernels cudnn --one-document --repeats 2
+    step bench_train_256k 200 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 \
+        scripts/bench_train.py --platform gpu --sizes 7b-4l --seqs 262144 \
+        --attention blockwise --kernels cudnn --one-document --repeats 2
     ;;
 profile)  # and with XLA's command buffers (CUDA graphs) taking conditionals and loops too
     step parity 150 python3 -m pytest -q -p no:cacheprovider tests/test_cudnn_attention.py -k gpu
