@@ -132,10 +132,14 @@ def prefill(
     prompt token."""
     b, p = tokens.shape
     positions = default_positions(b, p)
+    # Where the model's layout is the prompt's own order, attention is told nothing: each row
+    # is one document in that order, so its kernels are scheduled when tracing (on cuDNN one
+    # call instead of a conditional per pair, `lwm.attention.cudnn`). Right padding needs no
+    # mask: causal attention never looks ahead at it.
+    attention_positions = None if model.layout == "contiguous" else positions
 
     def attend(q, k, v, _):
-        # Right padding needs no mask: causal attention never looks ahead at it.
-        return model._attention(q, k, v, positions, None), (k, v)
+        return model._attention(q, k, v, attention_positions, None), (k, v)
 
     hidden, (ks, vs) = model.run_layers(model.embed(tokens, vision_mask), positions, attend)
     pad = [(0, 0), (0, 0), (0, max_len - p), (0, 0), (0, 0)]

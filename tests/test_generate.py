@@ -10,7 +10,7 @@ from flax import nnx
 
 from lwm.base.mesh import make_mesh
 from lwm.config import load_config
-from lwm.generate import EOF_ID, EOV_ID, Sampling, generate, sample_logits
+from lwm.generate import EOF_ID, EOV_ID, Sampling, generate, prefill, sample_logits
 from lwm.model import create_model
 
 
@@ -49,6 +49,7 @@ def greedy_by_full_forward(model, tokens, vision, lens, steps, mode="text", mult
     "mesh_shape,attention,kernel",
     [
         (None, "blockwise", "xla"),
+        (None, "blockwise", "cudnn"),  # one device: the prompt is one document in its order
         ("1,1,4,2", "ring", "xla"),
         ("1,2,2,2", "ring", "xla"),
         ("1,2,2,2", "ring", "cudnn"),  # the prompt's prefill on the cuDNN kernel
@@ -64,6 +65,22 @@ def test_greedy_with_cache_equals_full_forward(mesh_shape, attention, kernel):
     ref = greedy_by_full_forward(model, tokens, vision, lens, 7, multiple=sp)
     assert np.asarray(out).tolist() == ref
     assert np.asarray(lengths).tolist() == [7, 7]
+
+
+def test_prefill_in_the_prompts_order_decides_nothing_at_run_time():
+    """On one device the prompt is one document in the model's layout, so prefill tells
+    attention no positions: on the cuDNN kernel its calls are scheduled when tracing, with no
+    conditional (on a GPU each one waits for its predicate). Its results are checked by
+    `test_greedy_with_cache_equals_full_forward` (None, blockwise, cudnn)."""
+    model = create_model(debug_cfg(attention="blockwise", attention_kernel="cudnn"))
+    graphdef, state = nnx.split(model)
+    tokens, vision, lens = prompts(p=16)
+
+    def run(state, tokens, vision, lens):
+        return prefill(nnx.merge(graphdef, state), tokens, vision, lens, 32)
+
+    hlo = jax.jit(run).lower(state, tokens, vision, lens).compile().as_text()
+    assert hlo.count(" conditional(") == 0
 
 
 def test_stop_tokens_end_rows_and_pad():
