@@ -18,7 +18,8 @@
 #   bash scripts/gpu_session.sh profile     # where one fwd+bwd call's time goes (about 2)
 #   bash scripts/gpu_session.sh second      # the known-order cuDNN schedule (8deb308) and the
 #                                           # general path's memory (aae31ed): parity, attention,
-#                                           # train steps 8K-128K, packed rows (about 6)
+#                                           # train steps 8K-128K, cuDNN's packed layout
+#                                           # (probe_cudnn_packed.py), packed rows (about 6)
 #
 # The README's demo on the GPU (`scripts/demo.py --platform gpu`) needs the video and dataset
 # packages too. Make its videos here (`python scripts/demo.py` stopped after its first two
@@ -87,6 +88,7 @@ PY
     rm -rf "$out/check_tiny"
     step check_profile 120 "$py" scripts/profile_attention.py --platform cpu --seqs 512 \
         --heads 4 --head-dim 32 --repeats 1 --trace-calls 1
+    step check_packed 120 "$py" scripts/probe_cudnn_packed.py --platform cpu
     step check_tiny 300 "$py" -m lwm train --config configs/tiny.yaml train.steps=2 \
         train.output_dir="$out/check_tiny" train.batch_size=1 model.attention_kernel=auto
     rm -rf "$block"
@@ -116,9 +118,10 @@ second)  # one call of about 6 minutes (timeout_s 590): the known-order schedule
     step parity 90 python3 -m pytest -q -p no:cacheprovider tests/test_cudnn_attention.py -k gpu
     step bench_attention 110 python3 scripts/bench_attention.py --platform gpu \
         --seqs 8192,32768 --impls ours-cudnn,ours-cudnn-doc,cudnn --repeats 5
-    step bench_train 270 python3 scripts/bench_train.py --platform gpu --sizes 7b-4l \
+    step bench_train 240 python3 scripts/bench_train.py --platform gpu --sizes 7b-4l \
         --seqs 8192,32768,131072 --attention blockwise --kernels cudnn --one-document --repeats 3
-    step bench_train_packed 100 python3 scripts/bench_train.py --platform gpu --sizes 7b-4l \
+    step packed 60 python3 scripts/probe_cudnn_packed.py --platform gpu --out "$out/packed"
+    step bench_train_packed 90 python3 scripts/bench_train.py --platform gpu --sizes 7b-4l \
         --seqs 8192 --attention blockwise --kernels cudnn --repeats 3
     ;;
 attention)
