@@ -10,6 +10,10 @@ side by side in one process on 8 simulated CPU devices, or on the NVIDIA GPUs JA
         --attention blockwise --kernels xla,cudnn --one-document
     python scripts/bench_train.py --sizes small --seqs 1024 --attention ring --batch 8 \
         --dataset runs/demo/tokens --repeats 20     # batches read from a token dataset
+    # long context on one GPU: the MLP and the loss computed 8K tokens at a time
+    python scripts/bench_train.py --platform gpu --sizes 7b-4l --seqs 262144 \
+        --attention blockwise --kernels cudnn --one-document \
+        --set model.mlp_chunk_size=8192 --set model.logits_chunk_size=8192
 
 With ``--dataset`` (an `lwm tokenize` dataset) every timed step takes a new batch from the
 training loader (`data.loader.TokenDatasetLoader`, ``--read-threads`` grain threads; 0: no
@@ -36,7 +40,7 @@ from flax import nnx
 
 from data.batches import SyntheticTokenLoader
 from lwm.base.mesh import MeshError, make_mesh, use_platform
-from lwm.config import load_config
+from lwm.config import ConfigError, load_config
 from lwm.info import flops_per_token, measure_peak_flops, param_counts
 from lwm.model import create_model, row_permutation
 from lwm.train_step import (
@@ -77,9 +81,10 @@ def bench_one(
     kernel: str = "xla",
     remat: str = "nothing_saveable",
     one_document: bool = False,
+    settings: tuple[str, ...] = (),
 ):
     path, overrides = SIZES[size]
-    cfg = load_config(path).model.model_copy(
+    cfg = load_config(path, settings).model.model_copy(
         update={
             **overrides,
             "attention": attention,
@@ -168,6 +173,7 @@ def bench_one(
         "attention": attention,
         "kernel": kernel,
         "documents": "one per row" if one_document else "packed",
+        **({"settings": list(settings)} if settings else {}),
         "dtype": cfg.dtype,
         "remat": remat,
         "seq": seq,
@@ -208,6 +214,13 @@ def main() -> int:
     p.add_argument("--remat", default="nothing_saveable", help="model.remat_policy")
     p.add_argument("--cudnn-piece", type=int, help="lwm.attention.cudnn.PIECE (default 4096)")
     p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override for every size, e.g. model.mlp_chunk_size=8192 (repeatable)",
+    )
+    p.add_argument(
         "--one-document",
         action="store_true",
         help="one document per row (the FLOP count's full causal attention) instead of the "
@@ -227,7 +240,15 @@ def main() -> int:
         import lwm.attention.cudnn
 
         lwm.attention.cudnn.PIECE = args.cudnn_piece
-    dtypes = {load_config(SIZES[s][0]).model.dtype for s in args.sizes.split(",")}
+    if unknown := [s for s in args.sizes.split(",") if s not in SIZES]:
+        print(f"bench_train: error: unknown size {unknown[0]!r}; sizes: {', '.join(SIZES)}",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    try:
+        dtypes = {load_config(SIZES[s][0], args.set).model.dtype for s in args.sizes.split(",")}
+    except ConfigError as e:
+        print(f"bench_train: error: {e}", file=sys.stderr)
+        return 2
     peaks = {}
     for dtype in sorted(dtypes):
         peaks[dtype] = measure_peak_flops(jax.devices(), dtype) * jax.device_count()
@@ -240,7 +261,7 @@ def main() -> int:
     print(json.dumps({"bench": "devices", "devices": [str(d) for d in jax.devices()]}), flush=True)
     runs = [(a, k) for a in args.attention.split(",") for k in args.kernels.split(",")]
     for size in args.sizes.split(","):
-        peak = peaks[load_config(SIZES[size][0]).model.dtype]
+        peak = peaks[load_config(SIZES[size][0], args.set).model.dtype]
         for seq in (int(s) for s in args.seqs.split(",")):
             row = {}
             for attention, kernel in runs:
@@ -260,6 +281,7 @@ def main() -> int:
                         kernel,
                         args.remat,
                         args.one_document,
+                        tuple(args.set),
                     )
                 except Exception as e:  # e.g. out of memory for dense at long sequences
                     rec = {

@@ -14,7 +14,8 @@
 #
 #   bash scripts/gpu_session.sh attention   # parity tests, bench_attention (about 4 minutes)
 #   bash scripts/gpu_session.sh train       # bench_train 8K/32K, lwm train tiny (about 5)
-#   bash scripts/gpu_session.sh train_more  # remat dots_saveable, packed rows, 256K (about 6)
+#   bash scripts/gpu_session.sh train_more  # remat dots_saveable, 256K (about 7)
+#   bash scripts/gpu_session.sh longest     # 512K, one step (up to 10)
 #   bash scripts/gpu_session.sh profile     # where one fwd+bwd call's time goes (about 2)
 #   bash scripts/gpu_session.sh second      # the known-order cuDNN schedule (8deb308) and the
 #                                           # general path's memory (aae31ed): parity, attention,
@@ -43,7 +44,7 @@
 #
 # Every step writes its log under $OUT (what comes back); the last lines of each are printed.
 set -uo pipefail
-part=${1:?usage: gpu_session.sh check|first|second|attention|train|train_more|profile|demo}
+part=${1:?usage: gpu_session.sh check|first|second|attention|train|train_more|longest|profile|demo}
 out=${OUT:-/tmp/gpu_session}
 mkdir -p "$out"
 
@@ -138,15 +139,20 @@ train)
     step tiny 60 python3 -m lwm train --config configs/tiny.yaml train.steps=30 \
         train.output_dir=/tmp/tiny model.dtype=bfloat16 model.attention_kernel=auto
     ;;
-train_more)
+train_more)  # one call of about 7 minutes (timeout_s 590)
     step bench_train_remat 150 python3 scripts/bench_train.py --platform gpu --sizes 7b-4l \
         --seqs 8192 --attention blockwise --kernels cudnn --one-document --remat dots_saveable \
         --repeats 5
-    step bench_train_packed 150 python3 scripts/bench_train.py --platform gpu --sizes 7b-4l \
-        --seqs 8192 --attention blockwise --kernels cudnn --repeats 3
-    step bench_train_256k 200 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 \
-        scripts/bench_train.py --platform gpu --sizes 7b-4l --seqs 262144 \
-        --attention blockwise --kernels cudnn --one-document --repeats 2
+    # MLP and loss 8K tokens at a time: 77.6 GiB planned at 256K on the CPU, against 122.5 without
+    step bench_train_256k 300 python3 scripts/bench_train.py --platform gpu --sizes 7b-4l \
+        --seqs 262144 --attention blockwise --kernels cudnn --one-document --repeats 2 \
+        --set model.mlp_chunk_size=8192 --set model.logits_chunk_size=8192
+    ;;
+longest)  # one call of up to 10 minutes: 512K (150 GiB planned on the CPU with the chunks)
+    step bench_train_512k 590 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 \
+        scripts/bench_train.py --platform gpu --sizes 7b-4l --seqs 524288 \
+        --attention blockwise --kernels cudnn --one-document --repeats 1 \
+        --set model.mlp_chunk_size=8192 --set model.logits_chunk_size=8192
     ;;
 profile)  # and with XLA's command buffers (CUDA graphs) taking conditionals and loops too
     step parity 150 python3 -m pytest -q -p no:cacheprovider tests/test_cudnn_attention.py -k gpu

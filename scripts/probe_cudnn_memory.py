@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import sys
 
 from lwm.base.mesh import use_cpu_devices
 
@@ -42,8 +43,14 @@ def main() -> int:
     )
     args = p.parse_intermixed_args()
     use_cpu_devices(1)
+    from lwm.config import ConfigError
+
     for case in args.cases.split(","):
-        print(json.dumps(probe(case, args)), flush=True)
+        try:
+            print(json.dumps(probe(case, args)), flush=True)
+        except ConfigError as e:
+            print(f"probe_cudnn_memory: error: {e}", file=sys.stderr)
+            return 2
     return 0
 
 
