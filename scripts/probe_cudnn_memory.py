@@ -6,13 +6,12 @@ at 128K (docs/benchmarks.md, "Measured on the H200" and "Memory of the general p
 a `lax.scan` over the layers, JAX hoisted what depends on positions alone out of the scan,
 with temporaries that grow with the square of the sequence.
 
-    python scripts/probe_cudnn_memory.py --seq 8192 --cases plain,scan,scan-nogenfwd,scan-xla
+    python scripts/probe_cudnn_memory.py --seq 8192 --cases plain,scan,scan-nosplit,scan-xla
     python scripts/probe_cudnn_memory.py --seq 131072 --cases step,step-doc,step-general
 
 Attention cases: ``plain`` (``--layers`` layers unrolled), ``scan`` (in a `lax.scan`, as
 `scan_layers`), ``-nosplit`` (general pairs not cut into pieces of ``--piece`` tokens),
-``-nogenfwd`` / ``-nogenbwd`` (the XLA fallback's forward or backward stubbed out), ``-xla``
-(the XLA kernel instead of cuDNN pairs). Train-step cases (configs/7b.yaml with ``--layers``
+``-xla`` (the XLA kernel instead of cuDNN pairs). Train-step cases (configs/7b.yaml with ``--layers``
 layers, bf16 compute, float32 parameters and AdamW, remat ``nothing_saveable``, batch 1, as
 `scripts/bench_train.py --sizes 7b-4l` compiles it): ``step`` (as `lwm train` compiles it: the
 known-order schedule or the general one, chosen per step by one `lax.cond`), ``step-doc`` and
@@ -37,7 +36,7 @@ def main() -> int:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--piece", type=int, help="lwm.attention.cudnn.PIECE (default 4096)")
-    p.add_argument("--cases", default="plain,scan,scan-nogenfwd,scan-nogenbwd,scan-xla")
+    p.add_argument("--cases", default="plain,scan,scan-nosplit,scan-xla")
     p.add_argument(
         "overrides", nargs="*", metavar="KEY=VALUE", help="config overrides for step cases"
     )
@@ -56,21 +55,25 @@ def main() -> int:
 
 @contextlib.contextmanager
 def stand_ins(case: str, piece: int | None):
-    """cuDNN's kernels as cheap functions with its output conventions; the fallback's halves
-    stubbed out where ``case`` says; `lwm.attention.cudnn.PIECE` set. Restored after."""
+    """cuDNN's kernels as cheap functions with its output conventions (a mask bias read, so
+    that building it counts); `lwm.attention.cudnn.PIECE` set. Restored after."""
     import jax.numpy as jnp
 
     import lwm.attention.cudnn as cd
     from lwm.attention.blocks import F32
 
-    saved = (cd._emulated_fwd, cd._emulated_bwd, cd._xla_pair_fwd, cd._xla_pair_bwd, cd.PIECE)
+    saved = (cd._emulated_fwd, cd._emulated_bwd, cd.PIECE)
 
-    def fwd(q, k, v, causal, scale):
+    def read(bias):
+        return 0.0 if bias is None else jnp.mean(bias.astype(F32))
+
+    def fwd(q, k, v, causal, scale, bias=None):
         b, t, h, _ = q.shape
-        return (q * jnp.mean(v)).astype(q.dtype), jnp.zeros((b, h, t), F32) + jnp.mean(k)
+        lse = jnp.zeros((b, h, t), F32) + jnp.mean(k) + read(bias)
+        return (q * jnp.mean(v)).astype(q.dtype), lse
 
-    def bwd(q, k, v, out, lse, dout, causal, scale):
-        s = jnp.mean(lse) + jnp.mean(dout.astype(F32))
+    def bwd(q, k, v, out, lse, dout, causal, scale, bias=None):
+        s = jnp.mean(lse) + jnp.mean(dout.astype(F32)) + read(bias)
         return (q * s).astype(q.dtype), (k * s).astype(k.dtype), (v * s).astype(v.dtype)
 
     cd._emulated_fwd, cd._emulated_bwd = fwd, bwd
@@ -78,21 +81,10 @@ def stand_ins(case: str, piece: int | None):
         cd.PIECE = piece
     if "nosplit" in case:
         cd.PIECE = 1 << 30
-    if "nogenfwd" in case:
-        cd._xla_pair_fwd = lambda q, k, v, *_: (
-            jnp.zeros(q.shape, F32),
-            jnp.zeros((q.shape[0], q.shape[2], q.shape[1]), F32),
-        )
-    if "nogenbwd" in case:
-        cd._xla_pair_bwd = lambda q, k, v, *_: (
-            jnp.zeros(q.shape, F32),
-            jnp.zeros(k.shape, F32),
-            jnp.zeros(k.shape, F32),
-        )
     try:
         yield
     finally:
-        cd._emulated_fwd, cd._emulated_bwd, cd._xla_pair_fwd, cd._xla_pair_bwd, cd.PIECE = saved
+        cd._emulated_fwd, cd._emulated_bwd, cd.PIECE = saved
 
 
 def probe(case: str, args: argparse.Namespace) -> dict:

@@ -1,9 +1,9 @@
 """What cuDNN's packed-sequence attention computes on this GPU: several documents per row,
 given as segment offsets and lengths (``q_offsets``, ``q_seqlen`` of JAX's private
-`jax._src.cudnn.fused_attention_stablehlo.dot_product_attention`, Hopper or later). Prepared for
-issue 16's packed rows, which the cuDNN path runs on the XLA kernel wherever a piece holds a
-document boundary (docs/benchmarks.md). It answers, against dense float32 attention with the
-same documents (causal within each document, GQA):
+`jax._src.cudnn.fused_attention_stablehlo.dot_product_attention`, Hopper or later): the alternative to
+how the cuDNN path runs packed rows (a piece that holds a document boundary is one cuDNN call
+with its mask as a bias; docs/benchmarks.md). It answers, against dense float32 attention with
+the same documents (causal within each document, GQA):
 
 1. ``check``: is the output right; what layout its float32 softmax statistics have (each
    candidate layout's largest error against the log-sum-exp of every query), which decides
@@ -11,7 +11,7 @@ same documents (causal within each document, GQA):
    gradients through it right (what one packed call per row on one GPU would use).
 2. ``time``: fwd+bwd at ``--seq`` with ``--docs`` equal documents, against one causal cuDNN call
    over the whole row (an upper bound), and our blockwise attention given the documents'
-   positions and segment ids on the cuDNN path and on the XLA kernel.
+   positions and segment ids on the cuDNN path (pieces with a bias) and on the XLA kernel.
 
 One JSON line per measurement; with ``--out DIR`` the statistics and reference log-sum-exps of
 the check are also saved there (``.npy``).

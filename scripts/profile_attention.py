@@ -90,7 +90,7 @@ def raw_cudnn(q: jax.Array, k: jax.Array, v: jax.Array, emulate: bool) -> jax.Ar
 def causal_pairs_only() -> Iterator[None]:
     """While tracing: every pair of `lwm.attention.cudnn` runs its causal branch, unchosen."""
     saved = cudnn_mod._switch
-    cudnn_mod._switch = lambda kind, dead, causal, full_, general, *ops: causal(*ops)
+    cudnn_mod._switch = lambda kind, branches, *ops: branches[cudnn_mod.CAUSAL](*ops)
     try:
         yield
     finally:

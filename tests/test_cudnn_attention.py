@@ -40,8 +40,9 @@ def long_documents(b: int, s: int, cut: int) -> jax.Array:
 @pytest.mark.parametrize("docs", ["one", "long", "packed"])
 def test_ring_with_cudnn_kernel_equals_dense(small_pieces, mesh_shape, docs):
     """Causal, GQA (8 query heads on 2 key/value heads), zigzag layout; one document per row,
-    two long ones (pairs on cuDNN and pairs across the boundary on the XLA fallback) or four
-    short ones (positions restarting per document): output to 1e-5, gradients to 1e-4 (fp32)."""
+    two long ones (pairs across the boundary cut into pieces, some of them masked by a bias)
+    or four short ones (positions restarting per document): output to 1e-5, gradients to 1e-4
+    (fp32)."""
     sp, s = mesh_shape[2], 64
     perm = zigzag_permutation(s, sp)
     q, k, v = qkv(s=s)
@@ -174,6 +175,33 @@ def test_one_document_per_row_runs_every_pair_on_cudnn():
     assert int(cudnn.pair_kind(pos, None, pos, None, True)) == cudnn.GENERAL
 
 
+def test_pieces_are_classified_exactly():
+    """A piece (or a pair no longer than `PIECE`) is classified from its whole mask, so every
+    one runs as one cuDNN call: none visible (even where the ranges of segment ids overlap),
+    all visible, exactly cuDNN's causal mask, within it (packed documents, positions
+    restarting: causal mask plus the segments as a bias) or anything else (bias alone)."""
+
+    def kind(qp, qs, kp, ks, causal=True):
+        rows = (jnp.asarray([x], jnp.int32) for x in (qp, qs, kp, ks))
+        return int(cudnn.pair_kind(*rows, causal, exact=True))
+
+    idx, one = list(range(8)), [1] * 8
+    assert kind(idx, one, idx, one) == cudnn.CAUSAL
+    assert kind(idx, one, idx, one, causal=False) == cudnn.FULL
+    seg, pos = [1, 1, 1, 2, 2, 2, 2, 2], [0, 1, 2, 0, 1, 2, 3, 4]
+    assert kind(pos, seg, pos, seg) == cudnn.MASKED_CAUSAL
+    # later queries of document 2 against its earlier keys, and queries of document 3
+    later_seg, later_pos = [2, 2, 2, 2, 3, 3, 3, 3], [5, 6, 7, 8, 0, 1, 2, 3]
+    assert kind(later_pos, later_seg, pos, seg) == cudnn.MASKED
+    assert kind(later_pos, [1, 1, 3, 3, 3, 3, 3, 3], pos, [2] * 8) == cudnn.DEAD
+    assert kind(list(range(5, 13)), [2] * 8, pos, [2] * 8) == cudnn.FULL
+    # the range-based kind of the same pairs: general (then cut into pieces)
+    rows = (
+        jnp.asarray([x], jnp.int32) for x in (later_pos, [1, 1, 3, 3, 3, 3, 3, 3], pos, [2] * 8)
+    )
+    assert int(cudnn.pair_kind(*rows, True)) == cudnn.GENERAL
+
+
 def test_kernel_choice_per_platform():
     assert resolve_kernel("auto", "gpu") == ("cudnn", False)
     assert resolve_kernel("auto", "tpu") == ("pallas", False)
@@ -275,18 +303,23 @@ gpu = pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU (cuDNN's kernel
 @gpu
 def test_gpu_cudnn_kernels_follow_their_stand_in():
     """cuDNN's forward (output, float32 log-sum-exp) and backward against the dense stand-in
-    the CPU tests use, on bf16 inputs: causal and not, GQA."""
+    the CPU tests use, on bf16 inputs: causal and not, GQA, without and with a mask as a bias
+    (packed documents)."""
     q, k, v = qkv(b=2, s=256, h=8, kvh=2, d=64, dtype=jnp.bfloat16)
     dout = qkv(b=2, s=256, h=8, kvh=2, d=64, dtype=jnp.bfloat16, seed=3)[0]
-    for causal in (True, False):
-        out, lse = jax.jit(cudnn._cudnn_fwd, static_argnums=(3, 4))(q, k, v, causal, 0.125)
-        ref_out, ref_lse = cudnn._emulated_fwd(q, k, v, causal, 0.125)
+    seg = packed_segments(2, 256)  # every query sees its own document's start
+    pos = document_positions(seg)
+    bias, _ = cudnn._mask_bias(pos, seg, pos, seg, True, jnp.bfloat16)
+    for causal, b in ((True, None), (False, None), (True, bias), (False, bias)):
+        fwd = jax.jit(cudnn._cudnn_fwd, static_argnums=(3, 4))
+        out, lse = fwd(q, k, v, causal, 0.125, b)
+        ref_out, ref_lse = cudnn._emulated_fwd(q, k, v, causal, 0.125, b)
         assert lse.dtype == jnp.float32 and lse.shape == (2, 8, 256)
         assert float(jnp.max(jnp.abs(lse - ref_lse))) < 2e-2
         assert float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref_out.astype(jnp.float32)))) < 3e-2
         bwd = jax.jit(cudnn._cudnn_bwd, static_argnums=(6, 7))
-        grads = bwd(q, k, v, ref_out, ref_lse, dout, causal, 0.125)
-        refs = cudnn._emulated_bwd(q, k, v, ref_out, ref_lse, dout, causal, 0.125)
+        grads = bwd(q, k, v, ref_out, ref_lse, dout, causal, 0.125, b)
+        refs = cudnn._emulated_bwd(q, k, v, ref_out, ref_lse, dout, causal, 0.125, b)
         for g, r in zip(grads, refs, strict=True):
             r = r.astype(jnp.float32)
             rel = float(jnp.max(jnp.abs(g.astype(jnp.float32) - r)) / jnp.max(jnp.abs(r)))

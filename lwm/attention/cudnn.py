@@ -1,24 +1,27 @@
 """cuDNN's fused flash attention as the block kernel of blockwise and ring attention
 (``model.attention_kernel: cudnn``; ``auto`` picks it on NVIDIA GPUs).
 
-cuDNN masks by index (causal or nothing), while our masks come from positions and segment ids.
-So the local shard is cut into pieces (its two zigzag halves under ring attention, the whole
-shard on one device) and each (query piece, key piece) pair of a ring step is classified at
-run time from its positions and segment ids (`pair_kind`):
+cuDNN masks by index (causal or nothing) or by an additive bias, while our masks come from
+positions and segment ids. So the local shard is cut into pieces (its two zigzag halves under
+ring attention, the whole shard on one device) and each (query piece, key piece) pair of a ring
+step is classified at run time from its positions and segment ids (`pair_kind`):
 
 - ``DEAD``: nothing visible, skipped;
 - ``FULL``: everything visible: one cuDNN call without a mask;
-- ``CAUSAL``: the same contiguous run of positions on both sides, within one document (the
-  zigzag layout's diagonal pairs): one cuDNN call with its causal mask;
-- ``GENERAL``: anything else (several documents packed into the pair, or positions cuDNN's
-  index mask cannot express): cut into pieces of at most `PIECE` tokens on each side, each
-  piece pair classified the same way, and the general ones run on the XLA block kernel
-  (`lwm.attention.blocks`).
+- ``CAUSAL``: exactly cuDNN's causal mask (the zigzag layout's diagonal pairs of one
+  document): one cuDNN call with it;
+- ``GENERAL`` (a pair longer than `PIECE` tokens, classified from its ranges of positions and
+  segment ids): cut into pieces of at most `PIECE` tokens on each side, each classified
+  exactly, from its whole mask;
+- ``MASKED_CAUSAL`` (a piece, or a short pair, whose mask lies within cuDNN's causal one:
+  documents packed in order) and ``MASKED`` (anything else): one cuDNN call with the mask as a
+  bias (0 or a large negative number), under its causal mask for the former so that it skips
+  the blocks above the diagonal. A query that sees nothing in the piece gets nothing from it.
 
-So the result equals `dense_attention` for any positions and segment ids; a row of one
-document makes one cuDNN call per pair (as large as cuDNN alone would make on that shard), and
-in rows packed with documents only the pieces that hold a boundary fall back. The pairs'
-outputs are combined with their float32 log-sum-exps, as the ring combines chunks.
+So the result equals `dense_attention` for any positions and segment ids, and every live pair
+or piece is one cuDNN call: a row of one document makes one per pair (as large as cuDNN alone
+would make on that shard); rows packed with documents, one per piece. The pairs' outputs are
+combined with their float32 log-sum-exps, as the ring combines chunks.
 
 Each of those choices is a conditional, and on a GPU the device idles while the host reads its
 predicate (1-2 ms per fwd+bwd call at 8K on an H200, more than the kernels' own gap to cuDNN;
@@ -50,10 +53,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from lwm.attention import blocks
 from lwm.attention._common import (
     DEAD,
     FULL,
+    attention_mask,
     axis_size,
     block_kind,
     full,
@@ -64,7 +67,8 @@ from lwm.attention.blocks import F32, Spec
 
 log = logging.getLogger(__name__)
 
-CAUSAL, GENERAL = 3, 4  # pair kinds besides DEAD (0) and FULL (2)
+# pair kinds besides DEAD (0) and FULL (2); MASKED*: one cuDNN call with the mask as a bias
+CAUSAL, GENERAL, MASKED_CAUSAL, MASKED = 3, 4, 5, 6
 DTYPES = (jnp.bfloat16, jnp.float16)
 
 
@@ -106,53 +110,62 @@ def log_fallback(reason: str) -> None:
 # -- the two kernels: cuDNN's, or a dense float32 stand-in with its conventions ----------------
 
 
-def _cudnn_fwd(q, k, v, causal: bool, scale: float):
+def _negative(dtype) -> int:
+    """What a masked-out score gets added: JAX's own choice for cuDNN
+    (`fused_attention_stablehlo.get_large_negative_number`), finite because cuDNN mishandles
+    the difference of two infinities; float16's is the largest it holds."""
+    return -(2 << 14) if jnp.dtype(dtype) == jnp.float16 else -(2 << 40)
+
+
+def _cudnn_fwd(q, k, v, causal: bool, scale: float, bias=None):
     from jax._src.cudnn import fused_attention_stablehlo as fa
 
     mask = fa.MaskType.CAUSAL if causal else fa.MaskType.NO_MASK
     out, lse = fa.dot_product_attention(
-        q, k, v, scale=scale, mask_type=mask, qkv_layout="BTNH", return_residual=True
+        q, k, v, bias, scale=scale, mask_type=mask, qkv_layout="BTNH", return_residual=True
     )
     return out, lse
 
 
-def _cudnn_bwd(q, k, v, out, lse, dout, causal: bool, scale: float):
+def _cudnn_bwd(q, k, v, out, lse, dout, causal: bool, scale: float, bias=None):
     from jax._src.cudnn import fused_attention_stablehlo as fa
 
     mask = fa.MaskType.CAUSAL if causal else fa.MaskType.NO_MASK
     unused = jnp.zeros(0, q.dtype)
     dq, dk, dv = fa._dot_product_attention_bwd_p_wrapper.bind(
-        q, k, v, *([unused] * 7), lse, out, dout,
-        scale=scale, seed=42, dropout_rate=0.0, variadic_args=(False, False), mask_type=mask,
-        layout=fa.AttentionLayout.BTNH.value, sliding_window_length=None,
+        q, k, v, unused if bias is None else bias, *([unused] * 6), lse, out, dout,
+        scale=scale, seed=42, dropout_rate=0.0, variadic_args=(bias is not None, False),
+        mask_type=mask, layout=fa.AttentionLayout.BTNH.value, sliding_window_length=None,
     )  # fmt: skip
     return dq, dk, dv
 
 
-def _emulated_scores(q, k, causal: bool, scale: float):
+def _emulated_scores(q, k, causal: bool, scale: float, bias=None):
     b, t, h, d = q.shape
     kvh = k.shape[2]
     qf = q.astype(F32).reshape(b, t, kvh, h // kvh, d)
     s = jnp.einsum("btkgd,bskd->bkgts", qf, k.astype(F32)) * scale
+    if bias is not None:  # [b, 1, t, s]: added to the scaled scores, as cuDNN adds it
+        s = s + bias.astype(F32)[:, :, None]
     if causal:
         s = jnp.where(jnp.tril(jnp.ones((t, k.shape[1]), bool)), s, -jnp.inf)
     return s
 
 
-def _emulated_fwd(q, k, v, causal: bool, scale: float):
+def _emulated_fwd(q, k, v, causal: bool, scale: float, bias=None):
     b, t, h, d = q.shape
-    s = _emulated_scores(q, k, causal, scale)
+    s = _emulated_scores(q, k, causal, scale, bias)
     lse = jax.nn.logsumexp(s, axis=-1)  # [b, kvh, g, t]
     p = jnp.exp(s - lse[..., None])
     out = jnp.einsum("bkgts,bskd->btkgd", p, v.astype(F32)).reshape(b, t, h, d)
     return out.astype(q.dtype), lse.reshape(b, h, t)
 
 
-def _emulated_bwd(q, k, v, out, lse, dout, causal: bool, scale: float):
+def _emulated_bwd(q, k, v, out, lse, dout, causal: bool, scale: float, bias=None):
     b, t, h, d = q.shape
     kvh = k.shape[2]
     g = h // kvh
-    s = _emulated_scores(q, k, causal, scale)
+    s = _emulated_scores(q, k, causal, scale, bias)
     p = jnp.exp(s - lse.reshape(b, kvh, g, t)[..., None])
     do = dout.astype(F32).reshape(b, t, kvh, g, d)
     delta = jnp.sum(do * out.astype(F32).reshape(b, t, kvh, g, d), axis=-1)  # [b, t, kvh, g]
@@ -169,7 +182,7 @@ def _kernels(spec: Spec):
     return (_emulated_fwd, _emulated_bwd) if spec.interpret else (_cudnn_fwd, _cudnn_bwd)
 
 
-# -- which pairs go to cuDNN ------------------------------------------------------------------
+# -- which pairs go to cuDNN, and how ------------------------------------------------------------
 
 
 def _contiguous(pos: jax.Array) -> jax.Array:
@@ -180,13 +193,33 @@ def _one_segment(seg: jax.Array | None) -> jax.Array | bool:
     return True if seg is None else jnp.all(seg == seg[:, :1])
 
 
-def pair_kind(qp, qsg, kp, ksg, causal: bool):
-    """How a (query piece, key piece) pair is computed: `DEAD`, `FULL`, `CAUSAL` or `GENERAL`
-    (see the module docstring), as an int32 scalar (or a Python `FULL` when nothing can be
-    masked). Positions ``[batch, len]``, segment ids the same or None."""
+def _visible(qp, qsg, kp, ksg, causal: bool) -> jax.Array:
+    """Which keys each query sees, ``[batch, q, kv]`` (all True where nothing masks)."""
+    seen = attention_mask(qp, kp, qsg, ksg, causal)
+    return jnp.ones((qp.shape[0], qp.shape[1], kp.shape[1]), bool) if seen is None else seen
+
+
+def pair_kind(qp, qsg, kp, ksg, causal: bool, exact: bool = False):
+    """How a (query piece, key piece) pair is computed (see the module docstring), as an int32
+    scalar (or a Python `FULL` when nothing can be masked). Positions ``[batch, len]``,
+    segment ids the same or None. ``exact``: from the pair's whole mask (`DEAD`, `FULL`,
+    `CAUSAL`, `MASKED_CAUSAL` or `MASKED`; for pieces, whose mask is small), else from its
+    ranges of positions and segment ids (`DEAD`, `FULL`, `CAUSAL` or `GENERAL`)."""
     kind = block_kind(qp, kp, qsg, ksg, causal)
     if kind is FULL:
         return FULL
+    if exact:
+        seen = _visible(qp, qsg, kp, ksg, causal)
+        t, s = seen.shape[1:]
+        lower = jnp.tri(t, s, dtype=bool)  # cuDNN's causal mask (by index)
+        nothing, everything = ~jnp.any(seen), jnp.all(seen)
+        is_lower = jnp.all(seen == lower) if t == s else False
+        under = ~jnp.any(seen & ~lower) if t == s else False
+        choices = [(nothing, DEAD), (everything, FULL), (is_lower, CAUSAL), (under, MASKED_CAUSAL)]
+        out = jnp.asarray(MASKED, jnp.int32)
+        for condition, value in reversed(choices):
+            out = jnp.where(condition, value, out)
+        return out.astype(jnp.int32)
     if causal and qp.shape[1] == kp.shape[1]:
         same_doc = _one_segment(qsg) & _one_segment(ksg)
         if qsg is not None:
@@ -201,61 +234,32 @@ def pair_kind(qp, qsg, kp, ksg, causal: bool):
     ).astype(jnp.int32)
 
 
-def _switch(kind, dead, causal, full_, general, *operands):
+def _switch(kind, branches: dict, *operands):
+    """Run ``branches[kind]`` (a dict from kind to function of ``operands``)."""
     if kind is FULL:
-        return full_(*operands)
-    index = jnp.select([kind == DEAD, kind == CAUSAL, kind == FULL], [0, 1, 2], default=3).astype(
-        jnp.int32
-    )
+        return branches[FULL](*operands)
+    kinds = list(branches)
+    index = jnp.select([kind == c for c in kinds[:-1]], list(range(len(kinds) - 1)), len(kinds) - 1)
     # Tie the index (positions and segment ids alone) to the operands (this layer's q, k, v).
     # Otherwise JAX, differentiating a `lax.scan` over layers, hoists out of the scan whatever
     # of the pair depends on positions alone (the index, so the switch, and in each branch its
     # constants and masks), and a general pair's pieces stack theirs: temporaries quadratic in
-    # the sequence (34 GiB for 4 layers at 8K from the XLA fallback's masks; later 100 GiB for
-    # the 1.14B model at 128K from every piece's zeros; `scripts/probe_cudnn_memory.py`,
+    # the sequence (34 GiB for 4 layers at 8K from the masks; later 100 GiB for the 1.14B
+    # model at 128K from every piece's zeros; `scripts/probe_cudnn_memory.py`,
     # docs/benchmarks.md).
-    index, operands = lax.optimization_barrier((index, operands))
-    return lax.switch(index, [dead, causal, full_, general], *operands)
+    index, operands = lax.optimization_barrier((index.astype(jnp.int32), operands))
+    return lax.switch(index, [branches[c] for c in kinds], *operands)
+
+
+def _mask_bias(qp, qsg, kp, ksg, causal: bool, dtype):
+    """cuDNN's additive mask ``[batch, 1, q, kv]`` (0 where visible) and which queries see
+    anything, ``[batch, q]``."""
+    seen = _visible(qp, qsg, kp, ksg, causal)
+    bias = jnp.where(seen, jnp.asarray(0, dtype), jnp.asarray(_negative(dtype), dtype))
+    return bias[:, None], jnp.any(seen, axis=-1)
 
 
 # -- one pair: forward and backward ------------------------------------------------------------
-
-
-def _lse_to_blocks(lse: jax.Array, kvh: int, block: int) -> jax.Array:
-    """``[b, h, t]`` -> ``[nq, b, kvh, g, bq]`` (zero-padded), the XLA kernel's layout."""
-    b, h, t = lse.shape
-    n = -(-t // block)
-    lse = jnp.pad(lse, ((0, 0), (0, 0), (0, n * block - t)))
-    return lse.reshape(b, kvh, h // kvh, n, block).transpose(3, 0, 1, 2, 4)
-
-
-def _xla_pair_fwd(q, k, v, qp, qsg, kp, ksg, spec: Spec, vma):
-    kvh = k.shape[2]
-    qs = blocks.split_q(q, qp, qsg, kvh, spec.block_q)
-    kv = blocks.split_kv(k, v, kp, ksg, spec.block_k)
-    stats = blocks.fwd_chunk(qs, kv, blocks.init_stats(qs, vma), spec)
-    out, lse = blocks.finalize_stats(stats)  # lse +inf where a row sees nothing
-    b, t, h, _ = q.shape
-    lse = lse.transpose(1, 2, 3, 0, 4).reshape(b, h, -1)[:, :, :t]
-    return blocks.merge_q(out, t), jnp.where(jnp.isposinf(lse), -jnp.inf, lse)
-
-
-def _xla_pair_bwd(q, k, v, out, lse, dout, qp, qsg, kp, ksg, spec: Spec, vma):
-    kvh = k.shape[2]
-    qs = blocks.split_q(q, qp, qsg, kvh, spec.block_q)
-    kv = blocks.split_kv(k, v, kp, ksg, spec.block_k)
-    do = blocks.blocks_q(dout, kvh, spec.block_q)
-    rows = jnp.sum(dout.astype(F32) * out.astype(F32), axis=-1, keepdims=True)
-    delta = blocks.blocks_q(rows, kvh, spec.block_q)[..., 0]
-    lse_b = _lse_to_blocks(jnp.where(jnp.isneginf(lse), jnp.inf, lse), kvh, spec.block_q)
-    grads = (
-        full(qs.q.shape, 0.0, F32, vma),
-        full(kv.k.shape, 0.0, F32, vma),
-        full(kv.k.shape, 0.0, F32, vma),
-    )
-    dq, dk, dv = blocks.bwd_chunk(qs, do, lse_b, delta, kv, grads, spec)
-    t, s = q.shape[1], k.shape[1]
-    return blocks.merge_q(dq, t), blocks.merge_kv(dk, s), blocks.merge_kv(dv, s)
 
 
 PIECE = 4096  # a general pair is cut into pieces of at most this many tokens (`_split_count`)
@@ -263,7 +267,7 @@ PIECE = 4096  # a general pair is cut into pieces of at most this many tokens (`
 
 def _split_count(q_len: int, kv_len: int) -> int:
     """Into how many pieces a general pair is cut on each side: halved until a piece is at most
-    `PIECE` tokens (1: the pair goes to the XLA kernel whole)."""
+    `PIECE` tokens (1: the pair is classified exactly, whole)."""
     m = 1
     while q_len // m > PIECE and q_len % (2 * m) == 0 and kv_len % (2 * m) == 0:
         m *= 2
@@ -274,29 +278,40 @@ def _pair_fwd(q, k, v, qp, qsg, kp, ksg, spec: Spec, vma, split: bool = True, dt
     """Output (``[b, t, h, d]`` in ``dtype``: float32 where pairs are combined, the input's
     where this pair is the whole attention) and log-sum-exp (float32 ``[b, h, t]``, -inf where
     nothing is visible) of one pair. A general pair longer than `PIECE` is cut into pieces
-    (``split``)."""
+    (``split``); a shorter one, or a piece, is classified exactly and runs as one cuDNN call,
+    with its mask as a bias where the index mask cannot express it."""
     fwd, _ = _kernels(spec)
     b, t, h, d = q.shape
+    pieces = split and _split_count(t, k.shape[1]) > 1
 
     def dead(*_):
         return full((b, t, h, d), 0.0, dtype, vma), full((b, h, t), -jnp.inf, F32, vma)
 
-    def on_cudnn(causal):
-        def run(q, k, v, *_):
-            out, lse = fwd(q, k, v, causal, spec.scale)
-            return out.astype(dtype), lse.astype(F32)
+    def on_cudnn(causal, masked=False):
+        def run(q, k, v, qp, qsg, kp, ksg):
+            bias = seen = None
+            if masked:
+                bias, seen = _mask_bias(qp, qsg, kp, ksg, spec.causal, q.dtype)
+            out, lse = fwd(q, k, v, causal, spec.scale, bias)
+            out, lse = out.astype(dtype), lse.astype(F32)
+            if masked:  # a query that sees nothing here: cuDNN averages; nothing, as elsewhere
+                out = jnp.where(seen[:, :, None, None], out, 0.0).astype(dtype)
+                lse = jnp.where(seen[:, None, :], lse, -jnp.inf)
+            return out, lse
 
         return run
 
     def general(*operands):
-        if split and _split_count(t, k.shape[1]) > 1:
-            out, lse = _split_fwd(*operands, spec, vma)
-        else:
-            out, lse = _xla_pair_fwd(*operands, spec, vma)
+        out, lse = _split_fwd(*operands, spec, vma)
         return out.astype(dtype), lse
 
-    kind = pair_kind(qp, qsg, kp, ksg, spec.causal)
-    return _switch(kind, dead, on_cudnn(True), on_cudnn(False), general, q, k, v, qp, qsg, kp, ksg)
+    branches = {DEAD: dead, CAUSAL: on_cudnn(True), FULL: on_cudnn(False)}
+    if pieces:
+        branches[GENERAL] = general
+    else:
+        branches |= {MASKED_CAUSAL: on_cudnn(True, True), MASKED: on_cudnn(False, True)}
+    kind = pair_kind(qp, qsg, kp, ksg, spec.causal, exact=not pieces)
+    return _switch(kind, branches, q, k, v, qp, qsg, kp, ksg)
 
 
 def _fold_fwd(q, k, v, qp, qsg, kp, ksg, acc, m: int, split: bool, spec: Spec, vma):
@@ -337,6 +352,7 @@ def _pair_bwd(
     """This pair's parts of dQ, dK, dV (in ``dtype``, as `_pair_fwd`'s output), from the global
     output and log-sum-exp."""
     _, bwd = _kernels(spec)
+    pieces = split and _split_count(q.shape[1], k.shape[1]) > 1
 
     def dead(q, k, *_):
         return (
@@ -345,23 +361,31 @@ def _pair_bwd(
             full(k.shape, 0.0, dtype, vma),
         )
 
-    def on_cudnn(causal):
-        def run(q, k, v, out, lse, dout, *_):
-            grads = bwd(q, k, v, out, lse, dout, causal, spec.scale)
+    def on_cudnn(causal, masked=False):
+        def run(q, k, v, out, lse, dout, qp, qsg, kp, ksg):
+            bias = None
+            if masked:
+                bias, _ = _mask_bias(qp, qsg, kp, ksg, spec.causal, q.dtype)
+                # A query that sees nothing at all (padding) has -inf: make its weights 0, not
+                # NaN (its output and cotangent are 0, so it adds nothing).
+                lse = jnp.where(jnp.isneginf(lse), jnp.finfo(F32).max, lse)
+            grads = bwd(q, k, v, out, lse, dout, causal, spec.scale, bias)
             return tuple(g.astype(dtype) for g in grads)
 
         return run
 
     def general(*operands):
-        if split and _split_count(q.shape[1], k.shape[1]) > 1:
-            grads = _split_bwd(*operands, spec, vma)
-        else:
-            grads = _xla_pair_bwd(*operands, spec, vma)
+        grads = _split_bwd(*operands, spec, vma)
         return tuple(g.astype(dtype) for g in grads)
 
-    kind = pair_kind(qp, qsg, kp, ksg, spec.causal)
+    branches = {DEAD: dead, CAUSAL: on_cudnn(True), FULL: on_cudnn(False)}
+    if pieces:
+        branches[GENERAL] = general
+    else:
+        branches |= {MASKED_CAUSAL: on_cudnn(True, True), MASKED: on_cudnn(False, True)}
+    kind = pair_kind(qp, qsg, kp, ksg, spec.causal, exact=not pieces)
     operands = (q, k, v, out, lse, dout, qp, qsg, kp, ksg)
-    return _switch(kind, dead, on_cudnn(True), on_cudnn(False), general, *operands)
+    return _switch(kind, branches, *operands)
 
 
 def _fold_bwd(q, k, v, out, lse, dout, qp, qsg, kp, ksg, grads, m: int, split: bool, spec, vma):
