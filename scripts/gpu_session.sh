@@ -16,6 +16,7 @@
 #   bash scripts/gpu_session.sh train       # bench_train 8K/32K, lwm train tiny (about 5)
 #   bash scripts/gpu_session.sh train_more  # remat dots_saveable, 256K (about 7)
 #   bash scripts/gpu_session.sh longest     # 512K, one step (up to 10)
+#   bash scripts/gpu_session.sh packed      # packed rows at 8K/32K, pieces of 4K and 8K (about 5)
 #   bash scripts/gpu_session.sh profile     # where one fwd+bwd call's time goes (about 2)
 #   bash scripts/gpu_session.sh second      # the known-order cuDNN schedule (8deb308) and the
 #                                           # general path's memory (aae31ed): parity, attention,
@@ -44,7 +45,7 @@
 #
 # Every step writes its log under $OUT (what comes back); the last lines of each are printed.
 set -uo pipefail
-part=${1:?usage: gpu_session.sh check|first|second|attention|train|train_more|longest|profile|demo}
+part=${1:?usage: gpu_session.sh check|first|second|attention|train|train_more|longest|packed|profile|demo}
 out=${OUT:-/tmp/gpu_session}
 mkdir -p "$out"
 
@@ -153,6 +154,13 @@ longest)  # one call of up to 10 minutes: 512K (150 GiB planned on the CPU with 
         scripts/bench_train.py --platform gpu --sizes 7b-4l --seqs 524288 \
         --attention blockwise --kernels cudnn --one-document --repeats 1 \
         --set model.mlp_chunk_size=8192 --set model.logits_chunk_size=8192
+    ;;
+packed)  # one call of about 5 minutes: packed rows (pieces with a bias, 7a052ca), two piece sizes
+    step bench_train_packed_4k 150 python3 scripts/bench_train.py --platform gpu \
+        --sizes 7b-4l --seqs 8192,32768 --attention blockwise --kernels cudnn --repeats 3
+    step bench_train_packed_8k 150 python3 scripts/bench_train.py --platform gpu \
+        --sizes 7b-4l --seqs 8192,32768 --attention blockwise --kernels cudnn --repeats 3 \
+        --cudnn-piece 8192
     ;;
 profile)  # and with XLA's command buffers (CUDA graphs) taking conditionals and loops too
     step parity 150 python3 -m pytest -q -p no:cacheprovider tests/test_cudnn_attention.py -k gpu
