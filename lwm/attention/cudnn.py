@@ -259,6 +259,18 @@ def _mask_bias(qp, qsg, kp, ksg, causal: bool, dtype):
     return bias[:, None], jnp.any(seen, axis=-1)
 
 
+def _run_pair(pieces: bool, dead, on_cudnn, general, spec: Spec, positions, operands):
+    """Classify a pair from ``positions`` = (qp, qsg, kp, ksg) (exactly, unless it is cut into
+    ``pieces``) and run its branch on ``operands``: ``dead``, ``on_cudnn(causal, masked=False)``
+    or ``general`` (the pieces)."""
+    branches = {DEAD: dead, CAUSAL: on_cudnn(True), FULL: on_cudnn(False)}
+    if pieces:
+        branches[GENERAL] = general
+    else:
+        branches |= {MASKED_CAUSAL: on_cudnn(True, True), MASKED: on_cudnn(False, True)}
+    return _switch(pair_kind(*positions, spec.causal, exact=not pieces), branches, *operands)
+
+
 # -- one pair: forward and backward ------------------------------------------------------------
 
 
@@ -305,13 +317,8 @@ def _pair_fwd(q, k, v, qp, qsg, kp, ksg, spec: Spec, vma, split: bool = True, dt
         out, lse = _split_fwd(*operands, spec, vma)
         return out.astype(dtype), lse
 
-    branches = {DEAD: dead, CAUSAL: on_cudnn(True), FULL: on_cudnn(False)}
-    if pieces:
-        branches[GENERAL] = general
-    else:
-        branches |= {MASKED_CAUSAL: on_cudnn(True, True), MASKED: on_cudnn(False, True)}
-    kind = pair_kind(qp, qsg, kp, ksg, spec.causal, exact=not pieces)
-    return _switch(kind, branches, q, k, v, qp, qsg, kp, ksg)
+    operands = (q, k, v, qp, qsg, kp, ksg)
+    return _run_pair(pieces, dead, on_cudnn, general, spec, (qp, qsg, kp, ksg), operands)
 
 
 def _fold_fwd(q, k, v, qp, qsg, kp, ksg, acc, m: int, split: bool, spec: Spec, vma):
@@ -378,14 +385,8 @@ def _pair_bwd(
         grads = _split_bwd(*operands, spec, vma)
         return tuple(g.astype(dtype) for g in grads)
 
-    branches = {DEAD: dead, CAUSAL: on_cudnn(True), FULL: on_cudnn(False)}
-    if pieces:
-        branches[GENERAL] = general
-    else:
-        branches |= {MASKED_CAUSAL: on_cudnn(True, True), MASKED: on_cudnn(False, True)}
-    kind = pair_kind(qp, qsg, kp, ksg, spec.causal, exact=not pieces)
     operands = (q, k, v, out, lse, dout, qp, qsg, kp, ksg)
-    return _switch(kind, branches, *operands)
+    return _run_pair(pieces, dead, on_cudnn, general, spec, (qp, qsg, kp, ksg), operands)
 
 
 def _fold_bwd(q, k, v, out, lse, dout, qp, qsg, kp, ksg, grads, m: int, split: bool, spec, vma):
