@@ -309,7 +309,7 @@ def test_gpu_cudnn_kernels_follow_their_stand_in():
     dout = qkv(b=2, s=256, h=8, kvh=2, d=64, dtype=jnp.bfloat16, seed=3)[0]
     seg = packed_segments(2, 256)  # every query sees its own document's start
     pos = document_positions(seg)
-    bias, _ = cudnn._mask_bias(pos, seg, pos, seg, True, jnp.bfloat16)
+    bias = cudnn._mask_bias(cudnn._visible(pos, seg, pos, seg, True), jnp.bfloat16)
     for causal, b in ((True, None), (False, None), (True, bias), (False, bias)):
         fwd = jax.jit(cudnn._cudnn_fwd, static_argnums=(3, 4))
         out, lse = fwd(q, k, v, causal, 0.125, b)

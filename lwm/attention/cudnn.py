@@ -199,27 +199,32 @@ def _visible(qp, qsg, kp, ksg, causal: bool) -> jax.Array:
     return jnp.ones((qp.shape[0], qp.shape[1], kp.shape[1]), bool) if seen is None else seen
 
 
+def _exact_kind(qp, qsg, kp, ksg, causal: bool):
+    """`pair_kind` from the pair's whole mask, and that mask ``[batch, q, kv]`` (None with a
+    Python `FULL`, where nothing can be masked)."""
+    if block_kind(qp, kp, qsg, ksg, causal) is FULL:
+        return FULL, None
+    seen = _visible(qp, qsg, kp, ksg, causal)
+    t, s = seen.shape[1:]
+    lower = jnp.tri(t, s, dtype=bool)  # cuDNN's causal mask (by index)
+    is_lower = jnp.all(seen == lower) if t == s else False
+    under = ~jnp.any(seen & ~lower) if t == s else False
+    conditions = [~jnp.any(seen), jnp.all(seen), is_lower, under]
+    kind = jnp.select(conditions, [DEAD, FULL, CAUSAL, MASKED_CAUSAL], MASKED)
+    return kind.astype(jnp.int32), seen
+
+
 def pair_kind(qp, qsg, kp, ksg, causal: bool, exact: bool = False):
     """How a (query piece, key piece) pair is computed (see the module docstring), as an int32
     scalar (or a Python `FULL` when nothing can be masked). Positions ``[batch, len]``,
     segment ids the same or None. ``exact``: from the pair's whole mask (`DEAD`, `FULL`,
     `CAUSAL`, `MASKED_CAUSAL` or `MASKED`; for pieces, whose mask is small), else from its
     ranges of positions and segment ids (`DEAD`, `FULL`, `CAUSAL` or `GENERAL`)."""
+    if exact:
+        return _exact_kind(qp, qsg, kp, ksg, causal)[0]
     kind = block_kind(qp, kp, qsg, ksg, causal)
     if kind is FULL:
         return FULL
-    if exact:
-        seen = _visible(qp, qsg, kp, ksg, causal)
-        t, s = seen.shape[1:]
-        lower = jnp.tri(t, s, dtype=bool)  # cuDNN's causal mask (by index)
-        nothing, everything = ~jnp.any(seen), jnp.all(seen)
-        is_lower = jnp.all(seen == lower) if t == s else False
-        under = ~jnp.any(seen & ~lower) if t == s else False
-        choices = [(nothing, DEAD), (everything, FULL), (is_lower, CAUSAL), (under, MASKED_CAUSAL)]
-        out = jnp.asarray(MASKED, jnp.int32)
-        for condition, value in reversed(choices):
-            out = jnp.where(condition, value, out)
-        return out.astype(jnp.int32)
     if causal and qp.shape[1] == kp.shape[1]:
         same_doc = _one_segment(qsg) & _one_segment(ksg)
         if qsg is not None:
@@ -251,24 +256,25 @@ def _switch(kind, branches: dict, *operands):
     return lax.switch(index, [branches[c] for c in kinds], *operands)
 
 
-def _mask_bias(qp, qsg, kp, ksg, causal: bool, dtype):
-    """cuDNN's additive mask ``[batch, 1, q, kv]`` (0 where visible) and which queries see
-    anything, ``[batch, q]``."""
-    seen = _visible(qp, qsg, kp, ksg, causal)
+def _mask_bias(seen: jax.Array, dtype):
+    """cuDNN's additive mask ``[batch, 1, q, kv]`` for the mask ``seen`` (0 where visible)."""
     bias = jnp.where(seen, jnp.asarray(0, dtype), jnp.asarray(_negative(dtype), dtype))
-    return bias[:, None], jnp.any(seen, axis=-1)
+    return bias[:, None]
 
 
 def _run_pair(pieces: bool, dead, on_cudnn, general, spec: Spec, positions, operands):
     """Classify a pair from ``positions`` = (qp, qsg, kp, ksg) (exactly, unless it is cut into
-    ``pieces``) and run its branch on ``operands``: ``dead``, ``on_cudnn(causal, masked=False)``
-    or ``general`` (the pieces)."""
+    ``pieces``) and run its branch on ``operands`` and then the pair's mask (None unless it
+    was classified exactly): ``dead``, ``on_cudnn(causal, masked=False)`` or ``general`` (the
+    pieces)."""
     branches = {DEAD: dead, CAUSAL: on_cudnn(True), FULL: on_cudnn(False)}
     if pieces:
         branches[GENERAL] = general
+        kind, seen = pair_kind(*positions, spec.causal), None
     else:
         branches |= {MASKED_CAUSAL: on_cudnn(True, True), MASKED: on_cudnn(False, True)}
-    return _switch(pair_kind(*positions, spec.causal, exact=not pieces), branches, *operands)
+        kind, seen = _exact_kind(*positions, spec.causal)
+    return _switch(kind, branches, *operands, seen)
 
 
 # -- one pair: forward and backward ------------------------------------------------------------
@@ -300,21 +306,20 @@ def _pair_fwd(q, k, v, qp, qsg, kp, ksg, spec: Spec, vma, split: bool = True, dt
         return full((b, t, h, d), 0.0, dtype, vma), full((b, h, t), -jnp.inf, F32, vma)
 
     def on_cudnn(causal, masked=False):
-        def run(q, k, v, qp, qsg, kp, ksg):
-            bias = seen = None
-            if masked:
-                bias, seen = _mask_bias(qp, qsg, kp, ksg, spec.causal, q.dtype)
+        def run(q, k, v, qp, qsg, kp, ksg, seen):
+            bias = _mask_bias(seen, q.dtype) if masked else None
             out, lse = fwd(q, k, v, causal, spec.scale, bias)
             out, lse = out.astype(dtype), lse.astype(F32)
             if masked:  # a query that sees nothing here: cuDNN averages; nothing, as elsewhere
-                out = jnp.where(seen[:, :, None, None], out, 0.0).astype(dtype)
-                lse = jnp.where(seen[:, None, :], lse, -jnp.inf)
+                rows = jnp.any(seen, axis=-1)
+                out = jnp.where(rows[:, :, None, None], out, 0.0).astype(dtype)
+                lse = jnp.where(rows[:, None, :], lse, -jnp.inf)
             return out, lse
 
         return run
 
     def general(*operands):
-        out, lse = _split_fwd(*operands, spec, vma)
+        out, lse = _split_fwd(*operands[:-1], spec, vma)  # the last: no mask when cut
         return out.astype(dtype), lse
 
     operands = (q, k, v, qp, qsg, kp, ksg)
@@ -369,10 +374,10 @@ def _pair_bwd(
         )
 
     def on_cudnn(causal, masked=False):
-        def run(q, k, v, out, lse, dout, qp, qsg, kp, ksg):
+        def run(q, k, v, out, lse, dout, qp, qsg, kp, ksg, seen):
             bias = None
             if masked:
-                bias, _ = _mask_bias(qp, qsg, kp, ksg, spec.causal, q.dtype)
+                bias = _mask_bias(seen, q.dtype)
                 # A query that sees nothing at all (padding) has -inf: make its weights 0, not
                 # NaN (its output and cotangent are 0, so it adds nothing).
                 lse = jnp.where(jnp.isneginf(lse), jnp.finfo(F32).max, lse)
@@ -382,7 +387,7 @@ def _pair_bwd(
         return run
 
     def general(*operands):
-        grads = _split_bwd(*operands, spec, vma)
+        grads = _split_bwd(*operands[:-1], spec, vma)  # the last: no mask when cut
         return tuple(g.astype(dtype) for g in grads)
 
     operands = (q, k, v, out, lse, dout, qp, qsg, kp, ksg)
