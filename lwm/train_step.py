@@ -16,8 +16,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from data.batches import BATCH_FIELDS, WINDOW_FIELD
-from lwm.attention import cudnn
-from lwm.attention.blockwise import resolve_kernel
+from lwm.attention.blockwise import kernel_for_inputs, resolve_kernel
 from lwm.base.mesh import logical_to_spec
 from lwm.base.schedule import warmup_schedule
 from lwm.config import ModelConfig, TrainConfig, optimizer_problem
@@ -173,12 +172,11 @@ def _grads_fn(params: nnx.State, graphdef: nnx.GraphDef, weights):
     cfg = model.cfg
     platform = jax.default_backend() if model.mesh is None else model.mesh.devices.flat[0].platform
     kernel, emulated = resolve_kernel(cfg.attention_kernel, platform)
-    # What cuDNN refuses (`lwm.attention.cudnn.unsupported`: float32, some head sizes) runs on
-    # the XLA kernel either way: no second branch for it.
+    # What cuDNN refuses (float32, some head sizes) runs on the XLA kernel either way: no
+    # second branch for it.
     q = jax.ShapeDtypeStruct((1, 1, cfg.num_heads, cfg.head_dim), cfg.dtype)
     k = jax.ShapeDtypeStruct((1, 1, cfg.num_kv_heads, cfg.head_dim), cfg.dtype)
-    on_cudnn = kernel == "cudnn" and (emulated or cudnn.unsupported(q, k) is None)
-    if cfg.attention == "dense" or not on_cudnn:
+    if cfg.attention == "dense" or kernel_for_inputs(kernel, emulated, q, k) != "cudnn":
         return lambda batch, counts=None: grad_fn(params, graphdef, batch, weights, counts)
 
     def grads(batch, counts=None):

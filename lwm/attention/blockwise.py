@@ -173,6 +173,17 @@ def resolve_kernel(kernel: str, platform: str | None = None) -> tuple[str, bool]
     return kernel, home is not None and platform != home
 
 
+def kernel_for_inputs(kernel: str, emulated: bool, q, k) -> str:
+    """The kernel that runs for ``q``, ``k`` (arrays or shape structs), given `resolve_kernel`'s
+    answer: the XLA kernel for inputs cuDNN's own kernels refuse (named in one log line)."""
+    if kernel == "cudnn" and not emulated:
+        reason = cudnn.unsupported(q, k)
+        if reason:
+            cudnn.log_fallback(reason)
+            return "xla"
+    return kernel
+
+
 def core_for(spec: Spec):
     """The custom-VJP attention core of the spec's kernel (same arguments for each)."""
     return cudnn.attention_core if spec.kernel == "cudnn" else attention_core
@@ -201,11 +212,7 @@ def prepare_inputs(
     one document when the caller gave no positions and no segment ids."""
     kernel, interpret = resolve_kernel(kernel, platform)
     check_qkv(q, k, v)
-    if kernel == "cudnn" and not interpret:
-        reason = cudnn.unsupported(q, k)
-        if reason:
-            cudnn.log_fallback(reason)
-            kernel = "xla"
+    kernel = kernel_for_inputs(kernel, interpret, q, k)
     check_segments(q_segment_ids, kv_segment_ids)
     b, sq, _, d = q.shape
     sk = k.shape[1]
