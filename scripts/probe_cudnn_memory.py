@@ -11,7 +11,8 @@ with temporaries that grow with the square of the sequence.
 
 Attention cases: ``plain`` (``--layers`` layers unrolled), ``scan`` (in a `lax.scan`, as
 `scan_layers`), ``-nosplit`` (general pairs not cut into pieces of ``--piece`` tokens),
-``-xla`` (the XLA kernel instead of cuDNN pairs). Train-step cases (configs/7b.yaml with ``--layers``
+``-xla`` (the XLA kernel instead of cuDNN pairs), ``-doc`` (no positions given: one document
+in order, the schedule that decides nothing at run time). Train-step cases (configs/7b.yaml with ``--layers``
 layers, bf16 compute, float32 parameters and AdamW, remat ``nothing_saveable``, batch 1, as
 `scripts/bench_train.py --sizes 7b-4l` compiles it): ``step`` (as `lwm train` compiles it: the
 known-order schedule or the general one, chosen per step by one `lax.cond`), ``step-doc`` and
@@ -117,6 +118,8 @@ def attention_compiled(case: str, args: argparse.Namespace):
     pos = jax.ShapeDtypeStruct((1, args.seq), jnp.int32)
 
     def layer(x, wl, pos):
+        if case.endswith("-doc"):  # one document in order: nothing decided at run time
+            return blockwise_attention(x * wl, x, x, kernel=kernel)
         seg = jnp.ones_like(pos)
         return blockwise_attention(
             x * wl, x, x, kernel=kernel, q_positions=pos, kv_positions=pos,

@@ -319,8 +319,7 @@ def _pair_fwd(q, k, v, qp, qsg, kp, ksg, spec: Spec, vma, split: bool = True, dt
         return run
 
     def general(*operands):
-        out, lse = _split_fwd(*operands[:-1], spec, vma)  # the last: no mask when cut
-        return out.astype(dtype), lse
+        return _split_fwd(*operands[:-1], spec, vma, dtype)  # the last: no mask when cut
 
     operands = (q, k, v, qp, qsg, kp, ksg)
     return _run_pair(pieces, dead, on_cudnn, general, spec, (qp, qsg, kp, ksg), operands)
@@ -328,9 +327,12 @@ def _pair_fwd(q, k, v, qp, qsg, kp, ksg, spec: Spec, vma, split: bool = True, dt
 
 def _fold_fwd(q, k, v, qp, qsg, kp, ksg, acc, m: int, split: bool, spec: Spec, vma):
     """Fold every (query piece, key piece) pair, ``m`` pieces a side, into ``acc`` = (output,
-    log-sum-exp) of the queries: the driver's pairs (``split``: a general one is cut further)
-    and the pieces of a general pair (``split=False``)."""
+    log-sum-exp) of the queries: the driver's pairs (``split``: a general one is cut further;
+    ``acc`` float32, carried over ring steps) and the pieces of a general pair (``split=False``:
+    ``acc`` holds nothing yet, so each query piece starts from nothing in float32 and is stored
+    in ``acc``'s dtype once its pairs are folded: no float32 output the size of the pair's)."""
     t, s = q.shape[1] // m, k.shape[1] // m
+    b, _, h, d = q.shape
 
     def q_step(i, acc):
         qi = (_piece(q, i, t), _piece(qp, i, t), _piece(qsg, i, t))
@@ -340,20 +342,23 @@ def _fold_fwd(q, k, v, qp, qsg, kp, ksg, acc, m: int, split: bool, spec: Spec, v
             pair = _pair_fwd(qi[0], kj[0], kj[1], qi[1], qi[2], kj[2], kj[3], spec, vma, split)
             return _merge(*carry, *pair)
 
-        carry = (_piece(acc[0], i, t), _piece(acc[1], i, t, axis=2))
+        if split:
+            carry = (_piece(acc[0], i, t), _piece(acc[1], i, t, axis=2))
+        else:
+            carry = (full((b, t, h, d), 0.0, F32, vma), full((b, h, t), -jnp.inf, F32, vma))
         out, lse = lax.fori_loop(0, m, k_step, carry)
         return (
-            lax.dynamic_update_slice_in_dim(acc[0], out, i * t, axis=1),
+            lax.dynamic_update_slice_in_dim(acc[0], out.astype(acc[0].dtype), i * t, axis=1),
             lax.dynamic_update_slice_in_dim(acc[1], lse, i * t, axis=2),
         )
 
     return lax.fori_loop(0, m, q_step, acc)
 
 
-def _split_fwd(q, k, v, qp, qsg, kp, ksg, spec: Spec, vma):
-    """`_pair_fwd` of a general pair, piece by piece."""
+def _split_fwd(q, k, v, qp, qsg, kp, ksg, spec: Spec, vma, dtype):
+    """`_pair_fwd` of a general pair, piece by piece, its output in ``dtype``."""
     b, sq, h, d = q.shape
-    acc = (full((b, sq, h, d), 0.0, F32, vma), full((b, h, sq), -jnp.inf, F32, vma))
+    acc = (full((b, sq, h, d), 0.0, dtype, vma), full((b, h, sq), -jnp.inf, F32, vma))
     m = _split_count(sq, k.shape[1])
     return _fold_fwd(q, k, v, qp, qsg, kp, ksg, acc, m, False, spec, vma)
 
@@ -387,16 +392,16 @@ def _pair_bwd(
         return run
 
     def general(*operands):
-        grads = _split_bwd(*operands[:-1], spec, vma)  # the last: no mask when cut
+        grads = _split_bwd(*operands[:-1], spec, vma, dtype)  # the last: no mask when cut
         return tuple(g.astype(dtype) for g in grads)
 
     operands = (q, k, v, out, lse, dout, qp, qsg, kp, ksg)
     return _run_pair(pieces, dead, on_cudnn, general, spec, (qp, qsg, kp, ksg), operands)
 
 
-def _fold_bwd(q, k, v, out, lse, dout, qp, qsg, kp, ksg, grads, m: int, split: bool, spec, vma):
-    """Add every (query piece, key piece) pair's dQ, dK, dV, ``m`` pieces a side, into
-    ``grads``; ``split`` as in `_fold_fwd`."""
+def _fold_bwd(q, k, v, out, lse, dout, qp, qsg, kp, ksg, grads, m: int, spec, vma):
+    """Add every (query piece, key piece) pair's dQ, dK, dV, ``m`` pieces a side, into the
+    driver's float32 ``grads`` (a general pair is cut further: `_split_bwd`)."""
     t, s = q.shape[1] // m, k.shape[1] // m
 
     def q_step(i, grads):
@@ -408,7 +413,7 @@ def _fold_bwd(q, k, v, out, lse, dout, qp, qsg, kp, ksg, grads, m: int, split: b
             dq_i, dk, dv = carry
             kj, vj, kpj, ksgj = (_piece(x, j, s) for x in (k, v, kp, ksg))
             gq, gk, gv = _pair_bwd(
-                qi[0], kj, vj, qi[1], lse_i, qi[2], qi[3], qi[4], kpj, ksgj, spec, vma, split
+                qi[0], kj, vj, qi[1], lse_i, qi[2], qi[3], qi[4], kpj, ksgj, spec, vma
             )
             return dq_i + gq, _add_piece(dk, j, gk), _add_piece(dv, j, gv)
 
@@ -418,12 +423,38 @@ def _fold_bwd(q, k, v, out, lse, dout, qp, qsg, kp, ksg, grads, m: int, split: b
     return lax.fori_loop(0, m, q_step, grads)
 
 
-def _split_bwd(q, k, v, out, lse, dout, qp, qsg, kp, ksg, spec: Spec, vma):
-    """`_pair_bwd` of a general pair, piece by piece."""
-    zeros_kv = full(k.shape, 0.0, F32, vma)
-    grads = (full(q.shape, 0.0, F32, vma), zeros_kv, zeros_kv)
+def _split_bwd(q, k, v, out, lse, dout, qp, qsg, kp, ksg, spec: Spec, vma, dtype):
+    """`_pair_bwd` of a general pair, piece by piece. Key pieces are the outer loop: only dQ is
+    accumulated whole in float32; each key piece's dK, dV are summed over the query pieces in
+    float32 and stored in ``dtype`` (dQ, dK, dV of the pair all in float32 would take three
+    times the memory of the queries in float32 where there are as many key heads as query
+    heads)."""
     m = _split_count(q.shape[1], k.shape[1])
-    return _fold_bwd(q, k, v, out, lse, dout, qp, qsg, kp, ksg, grads, m, False, spec, vma)
+    t, s = q.shape[1] // m, k.shape[1] // m
+
+    def k_step(j, grads):
+        dq, dk, dv = grads
+        kj, vj, kpj, ksgj = (_piece(x, j, s) for x in (k, v, kp, ksg))
+
+        def q_step(i, carry):
+            dq, dk_j, dv_j = carry
+            qi, oi, doi, qpi, qsgi = (_piece(x, i, t) for x in (q, out, dout, qp, qsg))
+            lse_i = _piece(lse, i, t, axis=2)
+            gq, gk, gv = _pair_bwd(
+                qi, kj, vj, oi, lse_i, doi, qpi, qsgi, kpj, ksgj, spec, vma, split=False
+            )
+            return _add_piece(dq, i, gq), dk_j + gk, dv_j + gv
+
+        zeros = full(kj.shape, 0.0, F32, vma)
+        dq, dk_j, dv_j = lax.fori_loop(0, m, q_step, (dq, zeros, zeros))
+        return (
+            dq,
+            lax.dynamic_update_slice_in_dim(dk, dk_j.astype(dtype), j * s, axis=1),
+            lax.dynamic_update_slice_in_dim(dv, dv_j.astype(dtype), j * s, axis=1),
+        )
+
+    zeros_kv = full(k.shape, 0.0, dtype, vma)
+    return lax.fori_loop(0, m, k_step, (full(q.shape, 0.0, F32, vma), zeros_kv, zeros_kv))
 
 
 # -- the driver: pieces, ring steps, custom VJP ------------------------------------------------
@@ -503,7 +534,7 @@ def _backward(res, dout, spec: Spec, axis_name):
     def fold(kv, dq, dk, dv):
         k, v, kp, ksg = kv
         grads = (dq, dk, dv)
-        return _fold_bwd(q, k, v, out, lse, dout, qp, qsg, kp, ksg, grads, m, True, spec, vma)
+        return _fold_bwd(q, k, v, out, lse, dout, qp, qsg, kp, ksg, grads, m, spec, vma)
 
     dq = full(q.shape, 0.0, F32, vma)
     zeros_kv = full(k.shape, 0.0, F32, vma)
