@@ -277,6 +277,33 @@ def _run_pair(pieces: bool, dead, on_cudnn, general, spec: Spec, positions, oper
     return _switch(kind, branches, *operands, seen)
 
 
+def _call_fwd(fwd, q, k, v, causal: bool, spec: Spec, dtype, seen=None):
+    """One cuDNN forward call: output in ``dtype`` and float32 log-sum-exp; with ``seen`` (the
+    mask ``[batch, q, kv]``) as a bias, and a query that sees nothing gets nothing (cuDNN
+    averages such a row): output 0, log-sum-exp -inf, as everywhere else."""
+    bias = None if seen is None else _mask_bias(seen, q.dtype)
+    out, lse = fwd(q, k, v, causal, spec.scale, bias)
+    out, lse = out.astype(dtype), lse.astype(F32)
+    if seen is not None:
+        rows = jnp.any(seen, axis=-1)
+        out = jnp.where(rows[:, :, None, None], out, 0.0).astype(dtype)
+        lse = jnp.where(rows[:, None, :], lse, -jnp.inf)
+    return out, lse
+
+
+def _call_bwd(bwd, q, k, v, out, lse, dout, causal: bool, spec: Spec, dtype, seen=None):
+    """One cuDNN backward call (dQ, dK, dV in ``dtype``) from the global output and
+    log-sum-exp; ``seen`` as in `_call_fwd`."""
+    bias = None
+    if seen is not None:
+        bias = _mask_bias(seen, q.dtype)
+        # A query that sees nothing at all (padding) has -inf: make its weights 0, not NaN
+        # (its output and cotangent are 0, so it adds nothing).
+        lse = jnp.where(jnp.isneginf(lse), jnp.finfo(F32).max, lse)
+    grads = bwd(q, k, v, out, lse, dout, causal, spec.scale, bias)
+    return tuple(g.astype(dtype) for g in grads)
+
+
 # -- one pair: forward and backward ------------------------------------------------------------
 
 
@@ -307,14 +334,7 @@ def _pair_fwd(q, k, v, qp, qsg, kp, ksg, spec: Spec, vma, split: bool = True, dt
 
     def on_cudnn(causal, masked=False):
         def run(q, k, v, qp, qsg, kp, ksg, seen):
-            bias = _mask_bias(seen, q.dtype) if masked else None
-            out, lse = fwd(q, k, v, causal, spec.scale, bias)
-            out, lse = out.astype(dtype), lse.astype(F32)
-            if masked:  # a query that sees nothing here: cuDNN averages; nothing, as elsewhere
-                rows = jnp.any(seen, axis=-1)
-                out = jnp.where(rows[:, :, None, None], out, 0.0).astype(dtype)
-                lse = jnp.where(rows[:, None, :], lse, -jnp.inf)
-            return out, lse
+            return _call_fwd(fwd, q, k, v, causal, spec, dtype, seen if masked else None)
 
         return run
 
@@ -325,42 +345,65 @@ def _pair_fwd(q, k, v, qp, qsg, kp, ksg, spec: Spec, vma, split: bool = True, dt
     return _run_pair(pieces, dead, on_cudnn, general, spec, (qp, qsg, kp, ksg), operands)
 
 
-def _fold_fwd(q, k, v, qp, qsg, kp, ksg, acc, m: int, split: bool, spec: Spec, vma):
-    """Fold every (query piece, key piece) pair, ``m`` pieces a side, into ``acc`` = (output,
-    log-sum-exp) of the queries: the driver's pairs (``split``: a general one is cut further;
-    ``acc`` float32, carried over ring steps) and the pieces of a general pair (``split=False``:
-    ``acc`` holds nothing yet, so each query piece starts from nothing in float32 and is stored
-    in ``acc``'s dtype once its pairs are folded: no float32 output the size of the pair's)."""
+def _fold_fwd(q, k, v, qp, qsg, kp, ksg, acc, m: int, spec: Spec, vma):
+    """Fold the driver's (query piece, key piece) pairs, ``m`` pieces a side, into its float32
+    ``acc`` = (output, log-sum-exp) of the queries, carried over ring steps (a general pair is
+    cut further: `_split_fwd`)."""
     t, s = q.shape[1] // m, k.shape[1] // m
-    b, _, h, d = q.shape
 
     def q_step(i, acc):
         qi = (_piece(q, i, t), _piece(qp, i, t), _piece(qsg, i, t))
 
         def k_step(j, carry):
             kj = [_piece(x, j, s) for x in (k, v, kp, ksg)]
-            pair = _pair_fwd(qi[0], kj[0], kj[1], qi[1], qi[2], kj[2], kj[3], spec, vma, split)
+            pair = _pair_fwd(qi[0], kj[0], kj[1], qi[1], qi[2], kj[2], kj[3], spec, vma)
             return _merge(*carry, *pair)
 
-        if split:
-            carry = (_piece(acc[0], i, t), _piece(acc[1], i, t, axis=2))
-        else:
-            carry = (full((b, t, h, d), 0.0, F32, vma), full((b, h, t), -jnp.inf, F32, vma))
+        carry = (_piece(acc[0], i, t), _piece(acc[1], i, t, axis=2))
         out, lse = lax.fori_loop(0, m, k_step, carry)
         return (
-            lax.dynamic_update_slice_in_dim(acc[0], out.astype(acc[0].dtype), i * t, axis=1),
+            lax.dynamic_update_slice_in_dim(acc[0], out, i * t, axis=1),
             lax.dynamic_update_slice_in_dim(acc[1], lse, i * t, axis=2),
         )
 
     return lax.fori_loop(0, m, q_step, acc)
 
 
+def _fold_by_queries(q, m: int, pair, dtype, vma, diagonal=None):
+    """Output (in ``dtype``) and float32 log-sum-exp of pieces, ``m`` a side, folded with
+    query pieces outside: each query piece starts from nothing in float32 (or from
+    ``diagonal(i)``, its diagonal piece, then takes only the key pieces before it), folds
+    ``pair(i, j)`` (float32 output, log-sum-exp) and is stored in ``dtype``: no float32 output
+    the size of the whole."""
+    b, sq, h, d = q.shape
+    t = sq // m
+
+    def q_step(i, acc):
+        if diagonal is None:
+            hi, carry = m, (full((b, t, h, d), 0.0, F32, vma), full((b, h, t), -jnp.inf, F32, vma))
+        else:
+            hi, carry = i, diagonal(i)
+        out, lse = lax.fori_loop(0, hi, lambda j, c: _merge(*c, *pair(i, j)), carry)
+        return (
+            lax.dynamic_update_slice_in_dim(acc[0], out.astype(dtype), i * t, axis=1),
+            lax.dynamic_update_slice_in_dim(acc[1], lse, i * t, axis=2),
+        )
+
+    acc = (full((b, sq, h, d), 0.0, dtype, vma), full((b, h, sq), -jnp.inf, F32, vma))
+    return lax.fori_loop(0, m, q_step, acc)
+
+
 def _split_fwd(q, k, v, qp, qsg, kp, ksg, spec: Spec, vma, dtype):
     """`_pair_fwd` of a general pair, piece by piece, its output in ``dtype``."""
-    b, sq, h, d = q.shape
-    acc = (full((b, sq, h, d), 0.0, dtype, vma), full((b, h, sq), -jnp.inf, F32, vma))
-    m = _split_count(sq, k.shape[1])
-    return _fold_fwd(q, k, v, qp, qsg, kp, ksg, acc, m, False, spec, vma)
+    m = _split_count(q.shape[1], k.shape[1])
+    t, s = q.shape[1] // m, k.shape[1] // m
+
+    def pair(i, j):
+        qi, qpi, qsgi = (_piece(x, i, t) for x in (q, qp, qsg))
+        kj, vj, kpj, ksgj = (_piece(x, j, s) for x in (k, v, kp, ksg))
+        return _pair_fwd(qi, kj, vj, qpi, qsgi, kpj, ksgj, spec, vma, split=False)
+
+    return _fold_by_queries(q, m, pair, dtype, vma)
 
 
 def _pair_bwd(
@@ -380,14 +423,8 @@ def _pair_bwd(
 
     def on_cudnn(causal, masked=False):
         def run(q, k, v, out, lse, dout, qp, qsg, kp, ksg, seen):
-            bias = None
-            if masked:
-                bias = _mask_bias(seen, q.dtype)
-                # A query that sees nothing at all (padding) has -inf: make its weights 0, not
-                # NaN (its output and cotangent are 0, so it adds nothing).
-                lse = jnp.where(jnp.isneginf(lse), jnp.finfo(F32).max, lse)
-            grads = bwd(q, k, v, out, lse, dout, causal, spec.scale, bias)
-            return tuple(g.astype(dtype) for g in grads)
+            operands = (q, k, v, out, lse, dout, causal, spec, dtype)
+            return _call_bwd(bwd, *operands, seen if masked else None)
 
         return run
 
@@ -400,8 +437,8 @@ def _pair_bwd(
 
 
 def _fold_bwd(q, k, v, out, lse, dout, qp, qsg, kp, ksg, grads, m: int, spec, vma):
-    """Add every (query piece, key piece) pair's dQ, dK, dV, ``m`` pieces a side, into the
-    driver's float32 ``grads`` (a general pair is cut further: `_split_bwd`)."""
+    """Add the driver's (query piece, key piece) pairs' dQ, dK, dV, ``m`` pieces a side, into
+    its float32 ``grads`` (a general pair is cut further: `_split_bwd`)."""
     t, s = q.shape[1] // m, k.shape[1] // m
 
     def q_step(i, grads):
@@ -423,30 +460,28 @@ def _fold_bwd(q, k, v, out, lse, dout, qp, qsg, kp, ksg, grads, m: int, spec, vm
     return lax.fori_loop(0, m, q_step, grads)
 
 
-def _split_bwd(q, k, v, out, lse, dout, qp, qsg, kp, ksg, spec: Spec, vma, dtype):
-    """`_pair_bwd` of a general pair, piece by piece. Key pieces are the outer loop: only dQ is
-    accumulated whole in float32; each key piece's dK, dV are summed over the query pieces in
-    float32 and stored in ``dtype`` (dQ, dK, dV of the pair all in float32 would take three
-    times the memory of the queries in float32 where there are as many key heads as query
-    heads)."""
-    m = _split_count(q.shape[1], k.shape[1])
-    t, s = q.shape[1] // m, k.shape[1] // m
+def _fold_by_keys(q, k, m: int, pair, dtype, vma, diagonal=None):
+    """dQ, dK, dV of pieces, ``m`` a side, folded with key pieces outside: only dQ is carried
+    whole in float32; each key piece's dK, dV are summed over its query pieces in float32 (from
+    ``diagonal(j)``, its diagonal piece, then only the query pieces after it) and stored in
+    ``dtype``. ``pair(i, j)``: float32 dQ, dK, dV of a piece. (dQ, dK, dV all whole in float32
+    would take three times the memory where there are as many key heads as query heads.)"""
+    s = k.shape[1] // m
 
     def k_step(j, grads):
         dq, dk, dv = grads
-        kj, vj, kpj, ksgj = (_piece(x, j, s) for x in (k, v, kp, ksg))
+        zeros = full((k.shape[0], s, *k.shape[2:]), 0.0, F32, vma)
+        lo, carry = 0, (dq, zeros, zeros)
+        if diagonal is not None:
+            gq, gk, gv = diagonal(j)
+            lo, carry = j + 1, (_add_piece(dq, j, gq), gk, gv)
 
         def q_step(i, carry):
             dq, dk_j, dv_j = carry
-            qi, oi, doi, qpi, qsgi = (_piece(x, i, t) for x in (q, out, dout, qp, qsg))
-            lse_i = _piece(lse, i, t, axis=2)
-            gq, gk, gv = _pair_bwd(
-                qi, kj, vj, oi, lse_i, doi, qpi, qsgi, kpj, ksgj, spec, vma, split=False
-            )
+            gq, gk, gv = pair(i, j)
             return _add_piece(dq, i, gq), dk_j + gk, dv_j + gv
 
-        zeros = full(kj.shape, 0.0, F32, vma)
-        dq, dk_j, dv_j = lax.fori_loop(0, m, q_step, (dq, zeros, zeros))
+        dq, dk_j, dv_j = lax.fori_loop(lo, m, q_step, carry)
         return (
             dq,
             lax.dynamic_update_slice_in_dim(dk, dk_j.astype(dtype), j * s, axis=1),
@@ -455,6 +490,20 @@ def _split_bwd(q, k, v, out, lse, dout, qp, qsg, kp, ksg, spec: Spec, vma, dtype
 
     zeros_kv = full(k.shape, 0.0, dtype, vma)
     return lax.fori_loop(0, m, k_step, (full(q.shape, 0.0, F32, vma), zeros_kv, zeros_kv))
+
+
+def _split_bwd(q, k, v, out, lse, dout, qp, qsg, kp, ksg, spec: Spec, vma, dtype):
+    """`_pair_bwd` of a general pair, piece by piece (dK, dV in ``dtype``, dQ in float32)."""
+    m = _split_count(q.shape[1], k.shape[1])
+    t, s = q.shape[1] // m, k.shape[1] // m
+
+    def pair(i, j):
+        qi, oi, doi, qpi, qsgi = (_piece(x, i, t) for x in (q, out, dout, qp, qsg))
+        kj, vj, kpj, ksgj = (_piece(x, j, s) for x in (k, v, kp, ksg))
+        lse_i = _piece(lse, i, t, axis=2)
+        return _pair_bwd(qi, kj, vj, oi, lse_i, doi, qpi, qsgi, kpj, ksgj, spec, vma, split=False)
+
+    return _fold_by_keys(q, k, m, pair, dtype, vma)
 
 
 # -- the driver: pieces, ring steps, custom VJP ------------------------------------------------
@@ -504,7 +553,7 @@ def _forward(q, k, v, qp, kp, qsg, ksg, spec: Spec, axis_name):
     acc = (full((b, sq, h, d), 0.0, F32, vma), full((b, h, sq), -jnp.inf, F32, vma))
 
     def fold(kv, acc):
-        return _fold_fwd(q, kv[0], kv[1], qp, qsg, kv[2], kv[3], acc, m, True, spec, vma)
+        return _fold_fwd(q, kv[0], kv[1], qp, qsg, kv[2], kv[3], acc, m, spec, vma)
 
     kv = (k, v, kp, ksg)
     if n > 1:
