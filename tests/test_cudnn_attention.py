@@ -138,6 +138,43 @@ def test_one_document_in_a_known_order_decides_nothing_at_run_time():
         assert conditionals(ring, pos) > 0, sp
 
 
+def test_every_loop_has_a_known_trip_count(small_pieces):
+    """Every loop of the cuDNN path's compiled gradient has a trip count known when compiling
+    (the blockwise path with packed documents, its pieces folded in loops; the zigzag ring with
+    and without positions). On a GPU, XLA's while loop without one reads its condition back to
+    the host after every iteration (`WhileThunk`): a wait per iteration, as a conditional's."""
+    import re
+
+    seg = packed_segments(2, 64)
+    pos = document_positions(seg)
+    mesh = mesh_of((1, 1, 4, 1))
+    perm = zigzag_permutation(64, 4)
+    zpos, zseg = pos[:, perm], seg[:, perm]
+
+    def packed(q, k, v, pos, seg):
+        kw = dict(q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg)
+        return blockwise_attention(q, k, v, kernel="cudnn", **kw)
+
+    def ring(q, k, v, pos, seg):
+        kw = dict(q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg)
+        return ring_attention(q, k, v, mesh=mesh, layout="zigzag", kernel="cudnn", **kw)
+
+    def ring_one_document(q, k, v, *_):
+        return ring_attention(q, k, v, mesh=mesh, layout="zigzag", kernel="cudnn")
+
+    for fn, args in ((packed, (pos, seg)), (ring, (zpos, zseg)), (ring_one_document, ())):
+
+        def loss(q, k, v, *args, fn=fn):
+            return jnp.sum(fn(q, k, v, *args))
+
+        step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+        text = step.lower(*qkv(s=64), *args).compile().as_text()
+        loops = [line for line in text.splitlines() if re.search(r" = .* while\(", line)]
+        assert loops or fn is ring_one_document, fn.__name__
+        unknown = [line[:120] for line in loops if "known_trip_count" not in line]
+        assert not unknown, (fn.__name__, unknown)
+
+
 def kinds_of_ring(s: int, sp: int, seg: np.ndarray | None) -> set[int]:
     """Every kind of the pairs of zigzag halves that the ring computes for one row."""
     perm = zigzag_permutation(s, sp)

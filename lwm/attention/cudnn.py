@@ -369,21 +369,18 @@ def _fold_fwd(q, k, v, qp, qsg, kp, ksg, acc, m: int, spec: Spec, vma):
     return lax.fori_loop(0, m, q_step, acc)
 
 
-def _fold_by_queries(q, m: int, pair, dtype, vma, diagonal=None):
+def _fold_by_queries(q, m: int, pair, dtype, vma):
     """Output (in ``dtype``) and float32 log-sum-exp of pieces, ``m`` a side, folded with
-    query pieces outside: each query piece starts from nothing in float32 (or from
-    ``diagonal(i)``, its diagonal piece, then takes only the key pieces before it), folds
-    ``pair(i, j)`` (float32 output, log-sum-exp) and is stored in ``dtype``: no float32 output
-    the size of the whole."""
+    query pieces outside: each query piece starts from nothing in float32, folds ``pair(i,
+    j)`` (float32 output, log-sum-exp) of every key piece and is stored in ``dtype``: no
+    float32 output the size of the whole. (The loops' trip counts are static: XLA's GPU while
+    loop with a run-time trip count reads its condition on the host every iteration.)"""
     b, sq, h, d = q.shape
     t = sq // m
 
     def q_step(i, acc):
-        if diagonal is None:
-            hi, carry = m, (full((b, t, h, d), 0.0, F32, vma), full((b, h, t), -jnp.inf, F32, vma))
-        else:
-            hi, carry = i, diagonal(i)
-        out, lse = lax.fori_loop(0, hi, lambda j, c: _merge(*c, *pair(i, j)), carry)
+        carry = (full((b, t, h, d), 0.0, F32, vma), full((b, h, t), -jnp.inf, F32, vma))
+        out, lse = lax.fori_loop(0, m, lambda j, c: _merge(*c, *pair(i, j)), carry)
         return (
             lax.dynamic_update_slice_in_dim(acc[0], out.astype(dtype), i * t, axis=1),
             lax.dynamic_update_slice_in_dim(acc[1], lse, i * t, axis=2),
@@ -460,28 +457,24 @@ def _fold_bwd(q, k, v, out, lse, dout, qp, qsg, kp, ksg, grads, m: int, spec, vm
     return lax.fori_loop(0, m, q_step, grads)
 
 
-def _fold_by_keys(q, k, m: int, pair, dtype, vma, diagonal=None):
+def _fold_by_keys(q, k, m: int, pair, dtype, vma):
     """dQ, dK, dV of pieces, ``m`` a side, folded with key pieces outside: only dQ is carried
-    whole in float32; each key piece's dK, dV are summed over its query pieces in float32 (from
-    ``diagonal(j)``, its diagonal piece, then only the query pieces after it) and stored in
-    ``dtype``. ``pair(i, j)``: float32 dQ, dK, dV of a piece. (dQ, dK, dV all whole in float32
-    would take three times the memory where there are as many key heads as query heads.)"""
+    whole in float32; each key piece's dK, dV are summed over the query pieces in float32 and
+    stored in ``dtype``. ``pair(i, j)``: float32 dQ, dK, dV of a piece. (dQ, dK, dV all whole
+    in float32 would take three times the memory where there are as many key heads as query
+    heads.)"""
     s = k.shape[1] // m
 
     def k_step(j, grads):
         dq, dk, dv = grads
         zeros = full((k.shape[0], s, *k.shape[2:]), 0.0, F32, vma)
-        lo, carry = 0, (dq, zeros, zeros)
-        if diagonal is not None:
-            gq, gk, gv = diagonal(j)
-            lo, carry = j + 1, (_add_piece(dq, j, gq), gk, gv)
 
         def q_step(i, carry):
             dq, dk_j, dv_j = carry
             gq, gk, gv = pair(i, j)
             return _add_piece(dq, i, gq), dk_j + gk, dv_j + gv
 
-        dq, dk_j, dv_j = lax.fori_loop(lo, m, q_step, carry)
+        dq, dk_j, dv_j = lax.fori_loop(0, m, q_step, (dq, zeros, zeros))
         return (
             dq,
             lax.dynamic_update_slice_in_dim(dk, dk_j.astype(dtype), j * s, axis=1),
