@@ -144,12 +144,12 @@ train_more)  # one call of about 7 minutes (timeout_s 590)
     step bench_train_remat 150 python3 scripts/bench_train.py --platform gpu --sizes 7b-4l \
         --seqs 8192 --attention blockwise --kernels cudnn --one-document --remat dots_saveable \
         --repeats 5
-    # MLP and loss 8K tokens at a time: 77.6 GiB planned at 256K on the CPU, against 122.5 without
+    # MLP and loss 8K tokens at a time: 69.3 GiB planned at 256K on the CPU (34f2977), 122.5 without
     step bench_train_256k 300 python3 scripts/bench_train.py --platform gpu --sizes 7b-4l \
         --seqs 262144 --attention blockwise --kernels cudnn --one-document --repeats 2 \
         --set model.mlp_chunk_size=8192 --set model.logits_chunk_size=8192
     ;;
-longest)  # one call of up to 10 minutes: 512K (150 GiB planned on the CPU with the chunks)
+longest)  # one call of up to 10 minutes: 512K (133.6 GiB planned on the CPU with the chunks)
     step bench_train_512k 590 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 \
         scripts/bench_train.py --platform gpu --sizes 7b-4l --seqs 524288 \
         --attention blockwise --kernels cudnn --one-document --repeats 1 \
