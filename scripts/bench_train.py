@@ -14,6 +14,10 @@ side by side in one process on 8 simulated CPU devices, or on the NVIDIA GPUs JA
     python scripts/bench_train.py --platform gpu --sizes 7b-4l --seqs 262144 \
         --attention blockwise --kernels cudnn --one-document \
         --set model.mlp_chunk_size=8192 --set model.logits_chunk_size=8192
+    # packed rows (a conditional per piece and layer) with XLA's command buffers taking them
+    python scripts/bench_train.py --platform gpu --sizes 7b-4l --seqs 8192 \
+        --attention blockwise --kernels cudnn --compiler-options \
+        '{"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE"}'
 
 With ``--dataset`` (an `lwm tokenize` dataset) every timed step takes a new batch from the
 training loader (`data.loader.TokenDatasetLoader`, ``--read-threads`` grain threads; 0: no
@@ -82,6 +86,7 @@ def bench_one(
     remat: str = "nothing_saveable",
     one_document: bool = False,
     settings: tuple[str, ...] = (),
+    compiler_options: dict | None = None,
 ):
     path, overrides = SIZES[size]
     cfg = load_config(path, settings).model.model_copy(
@@ -129,7 +134,7 @@ def bench_one(
     data = next_batch()
     step = jit_train_step(graphdef, tx, mesh, abs_params, abs_opt)
     t0 = time.perf_counter()
-    compiled = step.lower(params, opt_state, data).compile()
+    compiled = step.lower(params, opt_state, data).compile(compiler_options)
     compile_s = time.perf_counter() - t0
     temp = compiled.memory_analysis().temp_size_in_bytes
     params, opt_state, m = compiled(params, opt_state, data)  # warm-up
@@ -174,6 +179,7 @@ def bench_one(
         "kernel": kernel,
         "documents": "one per row" if one_document else "packed",
         **({"settings": list(settings)} if settings else {}),
+        **({"compiler_options": compiler_options} if compiler_options else {}),
         "dtype": cfg.dtype,
         "remat": remat,
         "seq": seq,
@@ -219,6 +225,12 @@ def main() -> int:
         default=[],
         metavar="KEY=VALUE",
         help="a config override for every size, e.g. model.mlp_chunk_size=8192 (repeatable)",
+    )
+    p.add_argument(
+        "--compiler-options",
+        type=json.loads,
+        help="XLA options for compiling the step, as JSON (e.g. XLA's command buffers taking "
+        "conditionals too, as scripts/profile_attention.py measures them)",
     )
     p.add_argument(
         "--one-document",
@@ -282,6 +294,7 @@ def main() -> int:
                         args.remat,
                         args.one_document,
                         tuple(args.set),
+                        args.compiler_options,
                     )
                 except Exception as e:  # e.g. out of memory for dense at long sequences
                     rec = {
