@@ -155,19 +155,23 @@ longest)  # one call of up to 10 minutes: 512K (133.6 GiB planned on the CPU wit
         --attention blockwise --kernels cudnn --one-document --repeats 1 \
         --set model.mlp_chunk_size=8192 --set model.logits_chunk_size=8192
     ;;
-packed)  # one call of about 7 minutes (timeout_s 590): packed rows (pieces with a bias,
-    # 7a052ca) against one document per row, two piece sizes, and XLA's command buffers (CUDA
-    # graphs) taking the conditionals (one per piece and layer)
+packed)  # one call of about 8 minutes (timeout_s 590): packed rows (pieces with a bias,
+    # 7a052ca) against one document per row, pieces of 8K, XLA's command buffers (CUDA graphs)
+    # taking the conditionals (one per piece and layer), and attention alone: the general path
+    # against the in-order schedule (no conditional, every piece below the diagonal computed)
     step bench_train_packed_4k 150 python3 scripts/bench_train.py --platform gpu \
         --sizes 7b-4l --seqs 8192,32768 --attention blockwise --kernels cudnn --repeats 3
-    step bench_train_packed_8k 150 python3 scripts/bench_train.py --platform gpu \
-        --sizes 7b-4l --seqs 8192,32768 --attention blockwise --kernels cudnn --repeats 3 \
+    step bench_train_packed_8k 90 python3 scripts/bench_train.py --platform gpu \
+        --sizes 7b-4l --seqs 8192 --attention blockwise --kernels cudnn --repeats 3 \
         --cudnn-piece 8192
     step bench_train_packed_graphs 120 python3 scripts/bench_train.py --platform gpu \
         --sizes 7b-4l --seqs 8192 --attention blockwise --kernels cudnn --repeats 3 \
         --compiler-options '{"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE", "xla_gpu_graph_min_graph_size": 1}'
     step bench_train_one_document 120 python3 scripts/bench_train.py --platform gpu \
         --sizes 7b-4l --seqs 8192 --attention blockwise --kernels cudnn --repeats 3 --one-document
+    step packed_8k_3docs 45 python3 scripts/probe_cudnn_packed.py --platform gpu --docs 3
+    step packed_32k_16docs 45 python3 scripts/probe_cudnn_packed.py --platform gpu \
+        --seq 32768 --docs 16
     ;;
 profile)  # and with XLA's command buffers (CUDA graphs) taking conditionals and loops too
     step parity 150 python3 -m pytest -q -p no:cacheprovider tests/test_cudnn_attention.py -k gpu

@@ -12,7 +12,8 @@ with temporaries that grow with the square of the sequence.
 Attention cases: ``plain`` (``--layers`` layers unrolled), ``scan`` (in a `lax.scan`, as
 `scan_layers`), ``-nosplit`` (general pairs not cut into pieces of ``--piece`` tokens),
 ``-xla`` (the XLA kernel instead of cuDNN pairs), ``-doc`` (no positions given: one document
-in order, the schedule that decides nothing at run time). Train-step cases (configs/7b.yaml with ``--layers``
+in order, the schedule that decides nothing at run time), ``-in-order`` (positions given and
+``in_order``: the masked pieces' schedule). Train-step cases (configs/7b.yaml with ``--layers``
 layers, bf16 compute, float32 parameters and AdamW, remat ``nothing_saveable``, batch 1, as
 `scripts/bench_train.py --sizes 7b-4l` compiles it): ``step`` (as `lwm train` compiles it: the
 known-order schedule or the general one, chosen per step by one `lax.cond`), ``step-doc`` and
@@ -123,7 +124,7 @@ def attention_compiled(case: str, args: argparse.Namespace):
         seg = jnp.ones_like(pos)
         return blockwise_attention(
             x * wl, x, x, kernel=kernel, q_positions=pos, kv_positions=pos,
-            q_segment_ids=seg, kv_segment_ids=seg,
+            q_segment_ids=seg, kv_segment_ids=seg, in_order=case.endswith("-in-order"),
         )  # fmt: skip
 
     def loss(w, x, pos):

@@ -11,7 +11,9 @@ the same documents (causal within each document, GQA):
    gradients through it right (what one packed call per row on one GPU would use).
 2. ``time``: fwd+bwd at ``--seq`` with ``--docs`` equal documents, against one causal cuDNN call
    over the whole row (an upper bound), and our blockwise attention given the documents'
-   positions and segment ids on the cuDNN path (pieces with a bias) and on the XLA kernel.
+   positions and segment ids on the cuDNN path (pieces with a bias, each decided at run
+   time), on it told ``in_order`` (every piece on and below the diagonal, nothing decided at
+   run time) and on the XLA kernel.
 
 One JSON line per measurement; with ``--out DIR`` the statistics and reference log-sum-exps of
 the check are also saved there (``.npy``).
@@ -197,20 +199,22 @@ def timing(args) -> list[dict]:
     import jax
     import jax.numpy as jnp
 
-    from lwm.attention import blockwise_attention
+    from lwm.attention import blockwise_attention, keys_precede_queries
 
     t, docs = args.seq, args.docs
-    lengths = [t // docs] * docs
+    lengths = [t // docs] * (docs - 1) + [t - t // docs * (docs - 1)]  # the last takes the rest
     offsets, seqlen, seg, pos = packed(lengths, docs)
     seg, pos = jnp.asarray(seg), jnp.asarray(pos)
     q, k, v, g = inputs(t, args.heads, args.heads, args.head_dim)
     scale = args.head_dim**-0.5
 
-    def ours(kernel):
+    def ours(kernel, in_order=False):
         return lambda q, k, v: blockwise_attention(
             q, k, v, q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg,
-            kernel=kernel,
+            kernel=kernel, in_order=in_order,
         )  # fmt: skip
+
+    assert bool(keys_precede_queries(pos, seg))  # what in_order takes for granted
 
     impls = {
         "cudnn-packed": lambda q, k, v: cudnn_packed(q, k, v, offsets, seqlen, scale),
@@ -218,6 +222,7 @@ def timing(args) -> list[dict]:
             q, k, v, is_causal=True, implementation="cudnn"
         ),
         "ours-cudnn": ours("cudnn"),
+        "ours-cudnn-in-order": ours("cudnn", in_order=True),
         "ours-xla": ours("xla"),
     }
     lines = []

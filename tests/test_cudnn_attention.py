@@ -19,7 +19,14 @@ from test_attention import (
 )
 
 import lwm.attention.cudnn as cudnn
-from lwm.attention import blockwise_attention, dense_attention, ring_attention
+from data.batches import turn_segment_ids
+from lwm.attention import (
+    blockwise_attention,
+    dense_attention,
+    keys_precede_queries,
+    ring_attention,
+)
+from lwm.attention._common import attention_mask
 from lwm.attention.blockwise import resolve_kernel
 from lwm.attention.layout import zigzag_permutation
 
@@ -141,7 +148,7 @@ def test_one_document_in_a_known_order_decides_nothing_at_run_time():
 def test_every_loop_has_a_known_trip_count(small_pieces):
     """Every loop of the cuDNN path's compiled gradient has a trip count known when compiling
     (the blockwise path with packed documents, its pieces folded in loops; the zigzag ring with
-    and without positions). On a GPU, XLA's while loop without one reads its condition back to
+    and without positions; packed rows told ``in_order``). On a GPU, XLA's while loop without one reads its condition back to
     the host after every iteration (`WhileThunk`): a wait per iteration, as a conditional's."""
     import re
 
@@ -162,7 +169,12 @@ def test_every_loop_has_a_known_trip_count(small_pieces):
     def ring_one_document(q, k, v, *_):
         return ring_attention(q, k, v, mesh=mesh, layout="zigzag", kernel="cudnn")
 
-    for fn, args in ((packed, (pos, seg)), (ring, (zpos, zseg)), (ring_one_document, ())):
+    def in_order(q, k, v, pos, seg):
+        kw = dict(q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg)
+        return blockwise_attention(q, k, v, kernel="cudnn", in_order=True, **kw)
+
+    cases = ((packed, (pos, seg)), (ring, (zpos, zseg)), (ring_one_document, ()))
+    for fn, args in (*cases, (in_order, (pos, seg))):
 
         def loss(q, k, v, *args, fn=fn):
             return jnp.sum(fn(q, k, v, *args))
@@ -254,6 +266,118 @@ def test_a_general_pair_in_bfloat16_carries_one_float32_gradient(small_pieces):
     assert carries and max(carries) == 1, carries
 
 
+# ---------------------------------------------------------------------------------------------
+# documents packed in index order (``in_order``): every call scheduled when tracing
+
+
+def isolated_turns(b: int, s: int) -> tuple[jax.Array, jax.Array]:
+    """Segment ids and positions of rows as `lwm train` lays out isolated QA turns: a record
+    whose two questions each see its video (turn 0) and themselves, at the positions right
+    after the video; a record without turns; then padding counting its own positions."""
+    parts = [(1, 0, 12, 0), (1, 1, 6, 12), (1, 2, 8, 12), (2, 0, 20, 0)]  # doc, turn, n, first
+    seg, pos = [], []
+    for doc, turn, n, first in parts:
+        seg += [int(turn_segment_ids(doc, turn))] * n
+        pos += list(range(first, first + n))
+    pad = s - len(seg)
+    seg, pos = seg + [0] * pad, pos + list(range(pad))
+    return tuple(jnp.asarray(np.broadcast_to(np.asarray(x, np.int32), (b, s))) for x in (seg, pos))
+
+
+def in_order_rows(rows: str, b: int, s: int) -> tuple[jax.Array, jax.Array]:
+    """Segment ids and positions: ``packed`` (four documents), ``long`` (two), ``padded``
+    (three, then padding counting its own positions) or ``turns`` (`isolated_turns`)."""
+    if rows == "turns":
+        return isolated_turns(b, s)
+    seg = long_documents(b, s, 42) if rows == "long" else packed_segments(b, s)
+    if rows == "padded":
+        seg = (seg + 1).at[:, s - 12 :].set(0)
+    return seg, document_positions(seg)
+
+
+def brute_keys_precede_queries(pos, seg) -> bool:
+    """`keys_precede_queries` by its definition: nothing visible above the diagonal."""
+    seen = np.asarray(attention_mask(jnp.asarray(pos), jnp.asarray(pos), seg, seg, True))
+    return not np.triu(seen, 1).any()
+
+
+@pytest.mark.parametrize("rows", ["packed", "long", "padded", "turns"])
+def test_in_order_rows_equal_dense(small_pieces, rows):
+    """Rows whose every visible key precedes its query, told so (``in_order``): the schedule
+    of masked pieces on and below the diagonal equals dense attention, output to 1e-5 and
+    gradients to 1e-4 (fp32, GQA; 8 pieces a side)."""
+    s = 64
+    seg, pos = in_order_rows(rows, 2, s)
+    assert bool(keys_precede_queries(pos, seg)) and brute_keys_precede_queries(pos, seg)
+    kw = dict(q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg)
+
+    def ours(q, k, v):
+        return blockwise_attention(q, k, v, kernel="cudnn", in_order=True, **kw)
+
+    assert_matches(ours, lambda q, k, v: dense_attention(q, k, v, **kw), *qkv(s=s))
+
+
+def test_in_order_rows_decide_nothing_at_run_time(small_pieces):
+    """Told ``in_order``, packed rows run with no conditional (64 tokens in pieces of 8: 36
+    calls forward, 36 backward, in loops of fixed trip counts); not told, every piece's kind
+    is decided at run time."""
+    seg, pos = in_order_rows("packed", 2, 64)
+
+    def attend(in_order):
+        def fn(q, k, v, pos, seg):
+            kw = dict(q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg)
+            return blockwise_attention(q, k, v, kernel="cudnn", in_order=in_order, **kw)
+
+        return fn
+
+    assert conditionals(attend(True), pos, seg) == 0
+    assert conditionals(attend(False), pos, seg) > 0
+
+
+def test_keys_precede_queries_says_yes_only_where_it_holds():
+    """Yes to packed documents, isolated turns and padding that counts its own positions; no
+    to a zigzag layout, padding all at position 0 (as the training loader writes it), a
+    question before its video; and over random rows (documents, turns, padding, then tokens
+    swapped or positions repeated), never yes where a query sees a key after it."""
+    for rows in ("packed", "long", "padded", "turns"):
+        assert bool(keys_precede_queries(*in_order_rows(rows, 1, 64)[::-1]))
+    one = jnp.asarray(zigzag_permutation(64, 2), jnp.int32)[None]
+    assert not bool(keys_precede_queries(one, jnp.ones_like(one)))
+    seg, pos = in_order_rows("padded", 1, 64)
+    assert not bool(keys_precede_queries(jnp.where(seg == 0, 0, pos), seg))
+    seg, pos = isolated_turns(1, 64)
+    swapped = (jnp.concatenate([seg[:, 12:18], seg[:, :12], seg[:, 18:]], 1),
+               jnp.concatenate([pos[:, 12:18], pos[:, :12], pos[:, 18:]], 1))  # fmt: skip
+    assert not brute_keys_precede_queries(swapped[1], swapped[0])
+    assert not bool(keys_precede_queries(swapped[1], swapped[0]))
+
+    rng = np.random.default_rng(0)
+    said_yes = 0
+    for _ in range(150):
+        seg, pos = [], []
+        for doc in range(1, rng.integers(3, 6)):  # two to four documents
+            turns = rng.integers(1, 4) if rng.random() < 0.5 else 0
+            video = int(rng.integers(1, 5))
+            for turn in range(max(turns, 1)):
+                n = video if turn == 0 else int(rng.integers(1, 4))
+                ids = turn_segment_ids(doc, turn) if turns else doc
+                seg += [int(ids)] * n
+                pos += list(range(0 if turn == 0 else video, (0 if turn == 0 else video) + n))
+        pad = int(rng.integers(0, 4))
+        seg, pos = np.asarray(seg + [0] * pad), np.asarray(pos + list(range(pad)))
+        if rng.random() < 0.5:
+            i, j = rng.choice(len(seg), 2, replace=False)
+            seg[[i, j]], pos[[i, j]] = seg[[j, i]], pos[[j, i]]
+        if rng.random() < 0.3:
+            i = rng.integers(1, len(seg))
+            pos[i] = pos[i - 1]
+        yes = bool(keys_precede_queries(jnp.asarray(pos)[None], jnp.asarray(seg)[None]))
+        if yes:
+            assert brute_keys_precede_queries(pos[None], seg[None]), (seg, pos)
+        said_yes += yes
+    assert 20 <= said_yes < 150, said_yes
+
+
 def test_pieces_are_classified_exactly():
     """A piece (or a pair no longer than `PIECE`) is classified from its whole mask, so every
     one runs as one cuDNN call: none visible (even where the ranges of segment ids overlap),
@@ -335,10 +459,20 @@ def test_real_kernels_lower_for_cuda_from_this_host(monkeypatch):
         out = ring_attention(q, k, v, mesh=mesh, layout="zigzag", kernel="cudnn")
         return out.astype(jnp.float32).sum()
 
-    for fn in (loss, one_document):
+    plain = packed_segments(2, s)
+    in_kw = dict(q_segment_ids=plain, kv_segment_ids=plain)
+    in_kw |= dict(q_positions=document_positions(plain), kv_positions=document_positions(plain))
+
+    def in_order(q, k, v):  # packed rows in order, one device: the masked pieces' schedule
+        out = blockwise_attention(q, k, v, kernel="cudnn", in_order=True, **in_kw)
+        return out.astype(jnp.float32).sum()
+
+    for fn in (loss, one_document, in_order):
         step = jax.jit(jax.value_and_grad(fn, argnums=(0, 1, 2)))
         text = step.trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
-        assert "__cudnn$fmhaSoftmax" in text and "__cudnn$fmhaSoftmaxBackward" in text
+        kind = "ScaleBias" if fn is in_order else ""  # every call of it has a mask as a bias
+        assert f"__cudnn$fmha{kind}Softmax" in text, fn.__name__
+        assert f"__cudnn$fmha{kind}SoftmaxBackward" in text, fn.__name__
 
 
 def test_layers_in_a_scan_do_not_hoist_quadratic_masks():
@@ -405,7 +539,7 @@ def test_gpu_cudnn_kernels_follow_their_stand_in():
             assert rel < 3e-2, rel
 
 
-@pytest.mark.parametrize("docs", ["one", "one-positions", "long", "packed"])
+@pytest.mark.parametrize("docs", ["one", "one-positions", "long", "packed", "packed-in-order"])
 def test_blockwise_cudnn_bfloat16_with_the_stand_in_within_twice_dense(monkeypatch, docs):
     """`within_twice_dense_bfloat16` on the CPU, with cuDNN's dense stand-in: what the path
     adds around the kernels in bf16 (outputs and dK, dV of a general pair stored in bf16 piece
@@ -414,7 +548,7 @@ def test_blockwise_cudnn_bfloat16_with_the_stand_in_within_twice_dense(monkeypat
 
 
 @gpu
-@pytest.mark.parametrize("docs", ["one", "one-positions", "long", "packed"])
+@pytest.mark.parametrize("docs", ["one", "one-positions", "long", "packed", "packed-in-order"])
 def test_gpu_blockwise_cudnn_within_twice_dense_bfloat16(monkeypatch, docs):
     """`within_twice_dense_bfloat16` with cuDNN's own kernels."""
     within_twice_dense_bfloat16(monkeypatch, docs)
@@ -424,7 +558,8 @@ def within_twice_dense_bfloat16(monkeypatch, docs: str) -> None:
     """On one device, pieces of 256 tokens (every pair kind): the error of the cuDNN path
     against float32 dense attention is at most twice that of dense attention computed in bf16,
     forward and gradients. ``one``: no positions (the schedule known when tracing);
-    ``one-positions``: the same positions given (each pair's kind decided at run time)."""
+    ``one-positions``: the same positions given (each pair's kind decided at run time);
+    ``packed-in-order``: packed documents told ``in_order`` (the masked pieces' schedule)."""
     monkeypatch.setattr(cudnn, "PIECE", 256)
     s = 1024
     q32, k32, v32 = qkv(b=2, s=s, h=8, kvh=2, d=64)
@@ -439,8 +574,9 @@ def within_twice_dense_bfloat16(monkeypatch, docs: str) -> None:
     bf = [x.astype(jnp.bfloat16) for x in (q32, k32, v32)]
     ref, ref_g = value_and_grads(lambda q, k, v: dense_attention(q, k, v, **kw), q32, k32, v32)
     dense, dense_g = value_and_grads(lambda q, k, v: dense_attention(q, k, v, **kw), *bf)
+    in_order = docs == "packed-in-order"
     ours, ours_g = value_and_grads(
-        lambda q, k, v: blockwise_attention(q, k, v, kernel="cudnn", **kw), *bf
+        lambda q, k, v: blockwise_attention(q, k, v, kernel="cudnn", in_order=in_order, **kw), *bf
     )
 
     def err(x, r):

@@ -2,7 +2,7 @@
 (one new token against a cache sharded over the ring), and the zigzag layout that balances the
 causal ring's work."""
 
-from lwm.attention._common import default_positions
+from lwm.attention._common import default_positions, keys_precede_queries
 from lwm.attention.blockwise import attention_flops, blockwise_attention
 from lwm.attention.decode import ring_decode_attention
 from lwm.attention.dense import dense_attention
@@ -15,6 +15,7 @@ __all__ = [
     "default_positions",
     "dense_attention",
     "inverse_permutation",
+    "keys_precede_queries",
     "ring_attention",
     "ring_attention_local",
     "ring_decode_attention",

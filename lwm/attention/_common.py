@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from data.batches import segment_documents, segments_see
+from data.batches import MAX_TURNS, TURN_FLAG, segment_documents, segments_see
 
 # Padding keys get this position so that causal masking hides them from every real query.
 PAD_KV_POSITION = np.iinfo(np.int32).max // 2
@@ -78,6 +78,33 @@ def attention_mask(
         same = segments_see(q_seg[:, :, None], kv_seg[:, None, :])
         mask = same if mask is None else mask & same
     return mask
+
+
+def keys_precede_queries(positions: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
+    """Whether in every row each key a query sees (causal by position, `segments_see`) is at
+    the query's index or before it, as a scalar bool: where it holds, ``in_order`` may be
+    given (`lwm.attention.blockwise_attention`). Positions and segment ids ``[batch, len]``.
+    Checked by two conditions that together imply it, in O(len log len): within each segment
+    id positions increase strictly with the index, and each document's turn 0 comes before its
+    other turns (`data.batches.turn_segment_ids`). Rows of documents packed one after another
+    pass; padding all at position 0 (as `lwm train`'s loader writes it) does not, since its
+    queries see every padding key."""
+    if segment_ids is None:
+        segment_ids = jnp.zeros_like(positions)
+
+    def row(pos, seg):
+        index = jnp.arange(pos.shape[0])
+        order = jnp.lexsort((index, seg))  # by segment, then index
+        s, p = seg[order], pos[order]
+        increasing = jnp.all((s[1:] != s[:-1]) | (p[1:] > p[:-1]))
+        doc = segment_documents(seg, jnp)
+        first = (seg < TURN_FLAG) | ((seg & MAX_TURNS) == 0)  # turn 0, or no turns
+        order = jnp.lexsort((index, doc))
+        d, f = doc[order], first[order]
+        turn0_first = ~jnp.any((d[1:] == d[:-1]) & ~f[:-1] & f[1:])
+        return increasing & turn0_first
+
+    return jnp.all(jax.vmap(row)(positions, segment_ids))
 
 
 DEAD, PARTIAL, FULL = 0, 1, 2

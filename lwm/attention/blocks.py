@@ -69,6 +69,10 @@ class Spec(NamedTuple):
     # "zigzag": one document in that layout's order), else None. Only the cuDNN kernel reads
     # it: it then knows which block pairs are live without looking (`lwm.attention.cudnn`).
     order: str | None = None
+    # Positions and segment ids were given, and the caller knows that no query sees a key at a
+    # later index (documents packed one after another, each in order: `keys_precede_queries`).
+    # Only the cuDNN kernel reads it, on one device: it then schedules every call when tracing.
+    in_order: bool = False
 
 
 def _pad(x: jax.Array | None, axis: int, size: int, value) -> jax.Array | None:

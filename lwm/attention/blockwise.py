@@ -206,10 +206,12 @@ def prepare_inputs(
     kernel="xla",
     platform=None,
     order=None,
+    in_order=False,
 ):
     """Validate, fill defaults, and make the static `Spec` (for local shards under ring
     attention: lengths are what one kernel call sees). ``order``: `Spec.order`, the layout of
-    one document when the caller gave no positions and no segment ids."""
+    one document when the caller gave no positions and no segment ids; ``in_order``:
+    `Spec.in_order`."""
     kernel, interpret = resolve_kernel(kernel, platform)
     check_qkv(q, k, v)
     kernel = kernel_for_inputs(kernel, interpret, q, k)
@@ -234,6 +236,7 @@ def prepare_inputs(
         kernel=kernel,
         interpret=interpret,
         order=order,
+        in_order=bool(in_order),
     )
     args = (
         q,
@@ -262,12 +265,15 @@ def blockwise_attention(
     scale: float | None = None,
     precision: lax.Precision | None = None,
     kernel: str = "xla",
+    in_order: bool = False,
 ) -> jax.Array:
     """Memory-efficient attention on one device; same semantics as `dense_attention`.
 
     Sequence lengths need not be multiples of the blocks (inputs are padded internally).
     ``kernel``: the block kernel, ``xla``, ``pallas`` (interpreted off a TPU), ``cudnn``
-    (emulated off a GPU) or ``auto``.
+    (emulated off a GPU) or ``auto``. ``in_order``: the caller knows that no query sees a key
+    at a later index (`keys_precede_queries`: documents packed one after another, each in
+    order); the cuDNN kernel then decides nothing at run time. Wrong where it is not so.
     """
     given = (q_positions, kv_positions, q_segment_ids, kv_segment_ids)
     args, spec = prepare_inputs(
@@ -285,6 +291,7 @@ def blockwise_attention(
         precision=precision,
         kernel=kernel,
         order=one_document_order("contiguous", q, k, *given),
+        in_order=in_order,
     )
     return core_for(spec)(*args, spec, None)
 

@@ -51,6 +51,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from lwm.attention._common import (
@@ -538,6 +539,8 @@ def _forward(q, k, v, qp, kp, qsg, ksg, spec: Spec, axis_name):
     if _known_order(spec, axis_name):
         return _ordered_forward(q, k, v, spec, axis_name)
     vma = union_vma((q, k, v, qp, kp, qsg, ksg))
+    if _in_order(spec, axis_name, q.shape[1], k.shape[1]):
+        return _in_order_forward(q, k, v, qp, qsg, kp, ksg, spec, vma)
     n = axis_size(axis_name)
     m = _num_pieces(axis_name, q.shape[1], k.shape[1])
     if n == 1 and m == 1:  # one pair is the whole attention: no float32 accumulator
@@ -566,6 +569,8 @@ def _backward(res, dout, spec: Spec, axis_name):
         return _ordered_backward(res, dout, spec, axis_name)
     q, k, v, qp, kp, qsg, ksg, out, lse = res
     vma = union_vma(jax.tree.leaves(res))
+    if _in_order(spec, axis_name, q.shape[1], k.shape[1]):
+        return _in_order_backward(q, k, v, out, lse, dout, qp, qsg, kp, ksg, spec, vma)
     n = axis_size(axis_name)
     m = _num_pieces(axis_name, q.shape[1], k.shape[1])
     if n == 1 and m == 1:  # one pair: its gradients are the whole ones, in the input dtype
@@ -726,6 +731,104 @@ def _ordered_backward(res, dout, spec: Spec, axis_name):
         (dk.astype(F32) + dk_r).astype(k.dtype),
         (dv.astype(F32) + dv_r).astype(v.dtype),
     )
+
+
+# -- documents packed in index order: no run-time choices -------------------------------------
+
+
+def _in_order(spec: Spec, axis_name: str | None, q_len: int, kv_len: int) -> bool:
+    """Whether `_in_order_forward` runs: the caller knows that no query sees a later key
+    (``spec.in_order``), attention is causal, and the whole sequence is on this device."""
+    return spec.in_order and spec.causal and axis_size(axis_name) == 1 and q_len == kv_len
+
+
+def _below_diagonal(m: int) -> tuple[jax.Array, jax.Array]:
+    """Query and key piece of every pair below the diagonal, ``m`` pieces a side, row by row."""
+    i, j = np.tril_indices(m, -1)
+    return jnp.asarray(i, jnp.int32), jnp.asarray(j, jnp.int32)
+
+
+def _in_order_forward(q, k, v, qp, qsg, kp, ksg, spec: Spec, vma):
+    """`_forward` for rows in which every key a query sees comes before it in the sequence
+    (``spec.in_order``: documents packed one after another, each in order). Nothing above the
+    diagonal is visible then, so the schedule is fixed when tracing, with no conditional (the
+    general path has one per piece and layer): the diagonal pieces (`PIECE` tokens a side) are
+    each one cuDNN call under its causal mask and the pair's mask as a bias, then every piece
+    below the diagonal one call with the bias, in loops of fixed trip counts. Pieces that see
+    nothing are computed anyway: the calls do the work of one causal call over the row. The
+    output is summed in float32 over the row, as the general path did before 817cc56."""
+    fwd, _ = _kernels(spec)
+    (q, k, v), (qp, qsg, kp, ksg) = lax.optimization_barrier(((q, k, v), (qp, qsg, kp, ksg)))
+    m = _split_count(q.shape[1], k.shape[1])
+    t = q.shape[1] // m
+
+    def call(i, j, causal, dtype=F32):
+        qi, qpi, qsgi = (_piece(x, i, t) for x in (q, qp, qsg))
+        kj, vj, kpj, ksgj = (_piece(x, j, t) for x in (k, v, kp, ksg))
+        seen = _visible(qpi, qsgi, kpj, ksgj, True)
+        return _call_fwd(fwd, qi, kj, vj, causal, spec, dtype, seen)
+
+    if m == 1:
+        return call(0, 0, True, q.dtype)
+
+    def diagonal(i, acc):
+        out, lse = call(i, i, True)
+        return (
+            lax.dynamic_update_slice_in_dim(acc[0], out, i * t, axis=1),
+            lax.dynamic_update_slice_in_dim(acc[1], lse, i * t, axis=2),
+        )
+
+    rows, cols = _below_diagonal(m)
+
+    def below(n, acc):
+        i = rows[n]
+        row = _merge(_piece(acc[0], i, t), _piece(acc[1], i, t, axis=2), *call(i, cols[n], False))
+        return (
+            lax.dynamic_update_slice_in_dim(acc[0], row[0], i * t, axis=1),
+            lax.dynamic_update_slice_in_dim(acc[1], row[1], i * t, axis=2),
+        )
+
+    b, sq, h, d = q.shape
+    acc = (full((b, sq, h, d), 0.0, F32, vma), full((b, h, sq), -jnp.inf, F32, vma))
+    acc = lax.fori_loop(0, m, diagonal, acc)
+    out, lse = lax.fori_loop(0, len(rows), below, acc)
+    return out.astype(q.dtype), lse
+
+
+def _in_order_backward(q, k, v, out, lse, dout, qp, qsg, kp, ksg, spec: Spec, vma):
+    """`_backward` for `_in_order_forward`'s schedule: the same calls, each with the global
+    output and log-sum-exp of its queries, summed in float32."""
+    _, bwd = _kernels(spec)
+    operands, positions = (q, k, v, out, dout), (qp, qsg, kp, ksg)
+    (q, k, v, out, dout), (qp, qsg, kp, ksg) = lax.optimization_barrier((operands, positions))
+    m = _split_count(q.shape[1], k.shape[1])
+    t = q.shape[1] // m
+
+    def call(i, j, causal, dtype=F32):
+        qi, oi, doi, qpi, qsgi = (_piece(x, i, t) for x in (q, out, dout, qp, qsg))
+        kj, vj, kpj, ksgj = (_piece(x, j, t) for x in (k, v, kp, ksg))
+        seen = _visible(qpi, qsgi, kpj, ksgj, True)
+        lse_i = _piece(lse, i, t, axis=2)
+        return _call_bwd(bwd, qi, kj, vj, oi, lse_i, doi, causal, spec, dtype, seen)
+
+    if m == 1:
+        return call(0, 0, True, q.dtype)
+
+    def add(grads, i, j, parts):
+        dq, dk, dv = grads
+        gq, gk, gv = parts
+        return _add_piece(dq, i, gq), _add_piece(dk, j, gk), _add_piece(dv, j, gv)
+
+    rows, cols = _below_diagonal(m)
+    zeros_kv = full(k.shape, 0.0, F32, vma)
+    grads = (full(q.shape, 0.0, F32, vma), zeros_kv, zeros_kv)
+
+    def below(n, grads):
+        return add(grads, rows[n], cols[n], call(rows[n], cols[n], False))
+
+    grads = lax.fori_loop(0, m, lambda i, g: add(g, i, i, call(i, i, True)), grads)
+    dq, dk, dv = lax.fori_loop(0, len(rows), below, grads)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(7, 8))
