@@ -27,7 +27,9 @@ Each of those choices is a conditional, and on a GPU the device idles while the 
 predicate (1-2 ms per fwd+bwd call at 8K on an H200, more than the kernels' own gap to cuDNN;
 docs/benchmarks.md). So when the caller gives no positions and no segment ids (``Spec.order``:
 one document in a contiguous or zigzag order), every call is scheduled when tracing
-(`_ordered_forward`): nothing is decided at run time.
+(`_ordered_forward`): nothing is decided at run time. So it is, on one device, when the caller
+knows that every key a query sees comes before it (``in_order``: documents packed one after
+another; `_in_order_forward`), at the price of computing every piece below the diagonal.
 
 Backward: JAX's own cuDNN rule is for one call; it drops the log-sum-exp's cotangent, so autodiff
 through the combine would be wrong. This module has its own VJP (as ring-flash-attention does
