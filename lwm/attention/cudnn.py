@@ -248,15 +248,19 @@ def _switch(kind, branches: dict, *operands):
         return branches[FULL](*operands)
     kinds = list(branches)
     index = jnp.select([kind == c for c in kinds[:-1]], list(range(len(kinds) - 1)), len(kinds) - 1)
-    # Tie the index (positions and segment ids alone) to the operands (this layer's q, k, v).
-    # Otherwise JAX, differentiating a `lax.scan` over layers, hoists out of the scan whatever
-    # of the pair depends on positions alone (the index, so the switch, and in each branch its
-    # constants and masks), and a general pair's pieces stack theirs: temporaries quadratic in
-    # the sequence (34 GiB for 4 layers at 8K from the masks; later 100 GiB for the 1.14B
-    # model at 128K from every piece's zeros; `scripts/probe_cudnn_memory.py`,
-    # docs/benchmarks.md).
-    index, operands = lax.optimization_barrier((index.astype(jnp.int32), operands))
+    index, operands = _tied(index.astype(jnp.int32), operands)
     return lax.switch(index, [branches[c] for c in kinds], *operands)
+
+
+def _tied(positional, operands):
+    """``positional`` (what depends on positions and segment ids alone) and ``operands`` (this
+    layer's q, k, v, ...) through one optimization barrier. Otherwise JAX, differentiating a
+    `lax.scan` over layers, hoists out of the scan whatever of a pair depends on positions
+    alone (a pair's kind, so its switch, and in each branch its constants and masks), and the
+    pieces of a pair stack theirs: temporaries quadratic in the sequence (34 GiB for 4 layers
+    at 8K from the masks; later 100 GiB for the 1.14B model at 128K from every piece's zeros;
+    `scripts/probe_cudnn_memory.py`, docs/benchmarks.md)."""
+    return lax.optimization_barrier((positional, operands))
 
 
 def _mask_bias(seen: jax.Array, dtype):
@@ -348,6 +352,16 @@ def _pair_fwd(q, k, v, qp, qsg, kp, ksg, spec: Spec, vma, split: bool = True, dt
     return _run_pair(pieces, dead, on_cudnn, general, spec, (qp, qsg, kp, ksg), operands)
 
 
+def _set_rows(acc, i, part):
+    """``acc`` = (output ``[b, t, h, d]``, log-sum-exp ``[b, h, t]``) with query piece ``i``
+    replaced by ``part`` (the same of the piece's queries; output cast to ``acc``'s dtype)."""
+    t = part[0].shape[1]
+    return (
+        lax.dynamic_update_slice_in_dim(acc[0], part[0].astype(acc[0].dtype), i * t, axis=1),
+        lax.dynamic_update_slice_in_dim(acc[1], part[1], i * t, axis=2),
+    )
+
+
 def _fold_fwd(q, k, v, qp, qsg, kp, ksg, acc, m: int, spec: Spec, vma):
     """Fold the driver's (query piece, key piece) pairs, ``m`` pieces a side, into its float32
     ``acc`` = (output, log-sum-exp) of the queries, carried over ring steps (a general pair is
@@ -363,11 +377,7 @@ def _fold_fwd(q, k, v, qp, qsg, kp, ksg, acc, m: int, spec: Spec, vma):
             return _merge(*carry, *pair)
 
         carry = (_piece(acc[0], i, t), _piece(acc[1], i, t, axis=2))
-        out, lse = lax.fori_loop(0, m, k_step, carry)
-        return (
-            lax.dynamic_update_slice_in_dim(acc[0], out, i * t, axis=1),
-            lax.dynamic_update_slice_in_dim(acc[1], lse, i * t, axis=2),
-        )
+        return _set_rows(acc, i, lax.fori_loop(0, m, k_step, carry))
 
     return lax.fori_loop(0, m, q_step, acc)
 
@@ -383,11 +393,7 @@ def _fold_by_queries(q, m: int, pair, dtype, vma):
 
     def q_step(i, acc):
         carry = (full((b, t, h, d), 0.0, F32, vma), full((b, h, t), -jnp.inf, F32, vma))
-        out, lse = lax.fori_loop(0, m, lambda j, c: _merge(*c, *pair(i, j)), carry)
-        return (
-            lax.dynamic_update_slice_in_dim(acc[0], out.astype(dtype), i * t, axis=1),
-            lax.dynamic_update_slice_in_dim(acc[1], lse, i * t, axis=2),
-        )
+        return _set_rows(acc, i, lax.fori_loop(0, m, lambda j, c: _merge(*c, *pair(i, j)), carry))
 
     acc = (full((b, sq, h, d), 0.0, dtype, vma), full((b, h, sq), -jnp.inf, F32, vma))
     return lax.fori_loop(0, m, q_step, acc)
@@ -651,10 +657,8 @@ def _ordered_forward(q, k, v, spec: Spec, axis_name):
         """Fold (query half a, key half b), unmasked, into the queries' half a: a, b traced."""
         o, lse_o = fwd(_half(q, a, c), _half(k, b, c), _half(v, b, c), False, spec.scale)
         out, lse = acc
-        out_a, lse_a = _merge(_half(out, a, c), _half(lse, a, c, 2), o.astype(F32), lse_o)
-        return (
-            lax.dynamic_update_slice_in_dim(out, out_a, a * c, axis=1),
-            lax.dynamic_update_slice_in_dim(lse, lse_a, a * c, axis=2),
+        return _set_rows(
+            acc, a, _merge(_half(out, a, c), _half(lse, a, c, 2), o.astype(F32), lse_o)
         )
 
     def fold(kv, acc, step):
@@ -760,7 +764,7 @@ def _in_order_forward(q, k, v, qp, qsg, kp, ksg, spec: Spec, vma):
     nothing are computed anyway: the calls do the work of one causal call over the row. The
     output is summed in float32 over the row, as the general path did before 817cc56."""
     fwd, _ = _kernels(spec)
-    (q, k, v), (qp, qsg, kp, ksg) = lax.optimization_barrier(((q, k, v), (qp, qsg, kp, ksg)))
+    (qp, qsg, kp, ksg), (q, k, v) = _tied((qp, qsg, kp, ksg), (q, k, v))
     m = _split_count(q.shape[1], k.shape[1])
     t = q.shape[1] // m
 
@@ -773,26 +777,16 @@ def _in_order_forward(q, k, v, qp, qsg, kp, ksg, spec: Spec, vma):
     if m == 1:
         return call(0, 0, True, q.dtype)
 
-    def diagonal(i, acc):
-        out, lse = call(i, i, True)
-        return (
-            lax.dynamic_update_slice_in_dim(acc[0], out, i * t, axis=1),
-            lax.dynamic_update_slice_in_dim(acc[1], lse, i * t, axis=2),
-        )
-
     rows, cols = _below_diagonal(m)
 
     def below(n, acc):
         i = rows[n]
         row = _merge(_piece(acc[0], i, t), _piece(acc[1], i, t, axis=2), *call(i, cols[n], False))
-        return (
-            lax.dynamic_update_slice_in_dim(acc[0], row[0], i * t, axis=1),
-            lax.dynamic_update_slice_in_dim(acc[1], row[1], i * t, axis=2),
-        )
+        return _set_rows(acc, i, row)
 
     b, sq, h, d = q.shape
     acc = (full((b, sq, h, d), 0.0, F32, vma), full((b, h, sq), -jnp.inf, F32, vma))
-    acc = lax.fori_loop(0, m, diagonal, acc)
+    acc = lax.fori_loop(0, m, lambda i, acc: _set_rows(acc, i, call(i, i, True)), acc)
     out, lse = lax.fori_loop(0, len(rows), below, acc)
     return out.astype(q.dtype), lse
 
@@ -801,8 +795,7 @@ def _in_order_backward(q, k, v, out, lse, dout, qp, qsg, kp, ksg, spec: Spec, vm
     """`_backward` for `_in_order_forward`'s schedule: the same calls, each with the global
     output and log-sum-exp of its queries, summed in float32."""
     _, bwd = _kernels(spec)
-    operands, positions = (q, k, v, out, dout), (qp, qsg, kp, ksg)
-    (q, k, v, out, dout), (qp, qsg, kp, ksg) = lax.optimization_barrier((operands, positions))
+    (qp, qsg, kp, ksg), (q, k, v, out, dout) = _tied((qp, qsg, kp, ksg), (q, k, v, out, dout))
     m = _split_count(q.shape[1], k.shape[1])
     t = q.shape[1] // m
 
