@@ -397,6 +397,11 @@ class TokenDatasetLoader:
                 if window is not None:
                     window[r, at : at + n] = example["window"][piece]
                 at += n
+            # Padding (segment 0) counts its positions too: then no query of it sees a later
+            # key, and a row of documents packed in order is in order whole
+            # (`lwm.attention.keys_precede_queries`, the cuDNN kernel's `in_order` schedule).
+            # Nothing real sees padding, and it has no targets, so the loss is the same.
+            positions[r, at:] = np.arange(self.seq_len - at)
         return make_training_batch(
             tokens, vision, loss, segments, positions, self.layout, cells, window
         )

@@ -24,6 +24,7 @@ from lwm.attention import (
     blockwise_attention,
     default_positions,
     dense_attention,
+    keys_precede_queries,
     ring_attention,
 )
 from lwm.attention.layout import Layout, layout_permutation
@@ -46,15 +47,40 @@ def row_permutation(cfg: ModelConfig, seq_len: int, sp: int) -> np.ndarray | Non
     return None if order == "contiguous" else layout_permutation(order, seq_len, sp)
 
 
-def one_document_rows(
-    positions: jax.Array, segment_ids: jax.Array, layout: Layout, sp: int
-) -> jax.Array:
+# What is known of the order of each row's tokens, from least to most (`row_order`); with the
+# cuDNN kernel each allows a faster attention schedule (`lwm.attention.cudnn`). ``any``:
+# positions and segment ids decide at run time, pair by pair; ``in_order``: no query sees a key
+# at a later index (documents packed one after another, `keys_precede_queries`), so attention
+# decides one thing per call (that this holds) where the sequence is not split over devices;
+# ``one_document``: every row is one document in the model's layout (`one_document_rows`), so
+# attention needs no positions and decides nothing at run time.
+ROW_ORDERS = ("any", "in_order", "one_document")
+
+
+def one_document_rows(positions, segment_ids, layout: Layout, sp: int, xp=jnp):
     """Whether every row is one document (one segment id throughout) whose positions are
-    ``layout``'s own order over ``sp`` shards: a scalar bool, for choosing
-    ``hidden_states(one_document=True)`` at run time."""
-    order = jnp.asarray(layout_permutation(layout, positions.shape[1], sp), positions.dtype)
-    one_segment = jnp.all(segment_ids == segment_ids[:, :1])
-    return one_segment & jnp.all(positions == order[None])
+    ``layout``'s own order over ``sp`` shards: a scalar bool, traced (``xp=jnp``) or on the
+    host (``xp=np``)."""
+    order = xp.asarray(layout_permutation(layout, positions.shape[1], sp), positions.dtype)
+    one_segment = xp.all(segment_ids == segment_ids[:, :1])
+    return one_segment & xp.all(positions == order[None])
+
+
+def row_order(
+    positions: np.ndarray,
+    segment_ids: np.ndarray,
+    layout: Layout,
+    sp: int,
+    orders: tuple[str, ...] = ROW_ORDERS,
+) -> str:
+    """The most specific of ``orders`` (`ROW_ORDERS`) that holds for every row of a batch on
+    the host (numpy ``[batch, seq]``, in ``layout``'s order over ``sp`` shards): what
+    ``hidden_states(rows=...)`` may be told. ``any`` always holds."""
+    if "one_document" in orders and one_document_rows(positions, segment_ids, layout, sp, np):
+        return "one_document"
+    if "in_order" in orders and keys_precede_queries(positions, segment_ids, np):
+        return "in_order"
+    return "any"
 
 
 REMAT_POLICIES = {
@@ -195,13 +221,14 @@ class LWMModel(nnx.Module):
         return sequence_layout(self.cfg, self.sequence_shards)
 
     def rows_are_one_document(self, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
-        """`one_document_rows` in this model's layout: whether ``hidden_states`` may be told
-        ``one_document=True``."""
+        """`one_document_rows` in this model's layout, traced: whether ``hidden_states`` may
+        be told ``rows="one_document"``."""
         return one_document_rows(positions, segment_ids, self.layout, self.sequence_shards)
 
-    def _attention(self, q, k, v, positions, segment_ids):
+    def _attention(self, q, k, v, positions, segment_ids, in_order: bool = False):
         """Attention of one layer; ``positions`` and ``segment_ids`` None: every row is one
-        document in `layout`'s order (``hidden_states(one_document=True)``)."""
+        document in `layout`'s order (``hidden_states(rows="one_document")``); ``in_order``:
+        no query sees a later key (``rows="in_order"``)."""
         cfg = self.cfg
         kw = dict(
             q_positions=positions,
@@ -209,9 +236,11 @@ class LWMModel(nnx.Module):
             q_segment_ids=segment_ids,
             kv_segment_ids=segment_ids,
         )
-        blocks = dict(block_q=cfg.block_q, block_k=cfg.block_k, kernel=cfg.attention_kernel)
         if cfg.attention == "dense":
             return dense_attention(q, k, v, **kw)
+        blocks = dict(
+            block_q=cfg.block_q, block_k=cfg.block_k, kernel=cfg.attention_kernel, in_order=in_order
+        )
         if cfg.attention == "ring" and self.mesh is not None:
             return ring_attention(q, k, v, mesh=self.mesh, layout=self.layout, **kw, **blocks)
         if self.mesh is None:
@@ -363,21 +392,25 @@ class LWMModel(nnx.Module):
         cells: jax.Array | None = None,
         window: jax.Array | None = None,
         *,
-        one_document: bool = False,
+        rows: str = "any",
     ) -> jax.Array:
         """Final normalised hidden states ``[batch, seq, hidden]`` in the compute dtype.
         ``cells``, ``window`` as for `embed` (needed when the streams are in a ring layout).
-        ``one_document``: the caller knows every row is one document whose positions are
-        `layout`'s own order (`one_document_rows`); attention is then told the order instead
-        of reading positions and segment ids (the same result; the cuDNN kernel's fastest
-        case). Positions still drive the rotary embeddings."""
+        ``rows``: what the caller knows of every row's order (`ROW_ORDERS`, checked by
+        `row_order`). With ``one_document`` attention is told the layout's order instead of
+        reading positions and segment ids; with ``in_order`` it is told that no query sees a
+        later key. The same result each time; with the cuDNN kernel, faster schedules.
+        Positions still drive the rotary embeddings."""
+        if rows not in ROW_ORDERS:
+            raise ValueError(f"unknown row order '{rows}'; choose one of {', '.join(ROW_ORDERS)}")
         b, s = tokens.shape
         if positions is None:
             positions = default_positions(b, s)
-        masks = (None, None) if one_document else (positions, segment_ids)
+        masks = (None, None) if rows == "one_document" else (positions, segment_ids)
+        in_order = rows == "in_order"
 
         def attend(q, k, v, _):
-            return self._attention(q, k, v, *masks), None
+            return self._attention(q, k, v, *masks, in_order=in_order), None
 
         x, _ = self.run_layers(self.embed(tokens, vision_mask, cells, window), positions, attend)
         return x

@@ -11,7 +11,8 @@ nothing after the last good checkpoint is saved.
 
 Metrics every ``train.log_every`` steps go to ``OUTPUT/metrics.jsonl`` and TensorBoard
 (``OUTPUT/tensorboard``): loss and accuracy per modality, gradient norm, learning rate,
-tokens/s, step time and MFU.
+tokens/s, step time and MFU; with cuDNN attention, the share of those steps whose rows had each
+order (``rows_*``, `lwm.model.ROW_ORDERS`: each order runs a step compiled for it).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from lwm.base.mesh import MeshError, check_batch_fits
 from lwm.base.metrics import MetricsWriter
 from lwm.config import Config, config_to_yaml
 from lwm.info import flops_per_token, measure_peak_flops
-from lwm.model import row_permutation
+from lwm.model import row_order, row_permutation, sequence_layout
 from lwm.runs import (
     checkpoint_manager,
     restore_newest,
@@ -43,6 +44,7 @@ from lwm.train_step import (
     batch_sharding,
     jit_train_step,
     optimizer_from_config,
+    row_orders,
 )
 
 
@@ -152,15 +154,31 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
         manager.close()
         return TrainResult(step=start, stopped_by=None)
 
-    step_fn = jit_train_step(
-        graphdef,
-        tx,
-        mesh,
-        abs_params,
-        abs_opt,
-        weights=(tc.text_loss_weight, tc.vision_loss_weight),
-        grad_accum=tc.grad_accum,
-    )
+    # With cuDNN attention, what is known of the rows' order picks the schedule
+    # (`lwm.model.ROW_ORDERS`): each batch is checked here (`row_order`) and runs the step
+    # compiled for its order, so only the orders that occur are compiled. Many processes
+    # would have to agree on it: there the step checks on the device instead (`train_step`).
+    orders = row_orders(model_cfg, mesh)
+    on_host = len(orders) > 1 and jax.process_count() == 1
+    order_layout = sequence_layout(model_cfg, sp)
+    steps: dict[str | None, object] = {}
+
+    def step_for(rows: str | None):
+        if rows not in steps:
+            if on_host:
+                log(f"rows {rows}: compiling the train step for them")
+            steps[rows] = jit_train_step(
+                graphdef,
+                tx,
+                mesh,
+                abs_params,
+                abs_opt,
+                weights=(tc.text_loss_weight, tc.vision_loss_weight),
+                grad_accum=tc.grad_accum,
+                rows=rows,
+            )
+        return steps[rows]
+
     tokens_per_step = tc.batch_size * seq_len
     model_flops = flops_per_token(model_cfg, seq_len).train * tokens_per_step
     peak = (
@@ -188,18 +206,20 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
 
     bsharding = batch_sharding(mesh)
     global_shape = (tc.batch_size, seq_len)
-    # dispatched steps whose metrics are not yet checked, with the time each waited for its batch
-    pending: list[tuple[int, dict, float]] = []
+    # dispatched steps whose metrics are not yet checked, with the time each waited for its
+    # batch and its rows' order
+    pending: list[tuple[int, dict, float, str | None]] = []
     last_good_save = resumed[0] if resumed is not None else None
-    window = {"t": time.perf_counter(), "steps": 0, "wait": 0.0, "checked": 0}
+    window = {"t": time.perf_counter(), "steps": 0, "wait": 0.0, "checked": 0, "rows": []}
 
     def check(upto: int) -> None:
         """Fetch metrics of dispatched steps <= upto; stop on a non-finite loss; log."""
         nonlocal pending
         while pending and pending[0][0] <= upto:
-            step, metrics, waited = pending.pop(0)
+            step, metrics, waited, rows = pending.pop(0)
             window["wait"] += waited
             window["checked"] += 1
+            window["rows"].append(rows)
             host = {k: float(v) for k, v in jax.device_get(metrics).items()}
             if not math.isfinite(host["loss"]):
                 where = (
@@ -222,7 +242,10 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
                 now = time.perf_counter()
                 dt = (now - window["t"]) / max(window["steps"], 1)
                 wait = window["wait"] / max(window["checked"], 1)  # of the steps logged
-                window.update(t=now, steps=0, wait=0.0, checked=0)
+                if on_host:  # the share of the steps logged whose rows had each order
+                    seen = window["rows"]
+                    host.update({f"rows_{o}": seen.count(o) / len(seen) for o in orders})
+                window.update(t=now, steps=0, wait=0.0, checked=0, rows=[])
                 host.update(
                     learning_rate=float(schedule(step - 1)),
                     step_time_s=dt,
@@ -246,9 +269,12 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
                 )
                 for k, v in local.items()
             }
+            rows = None
+            if on_host:
+                rows = row_order(local["positions"], local["segment_ids"], order_layout, sp, orders)
             waited = time.perf_counter() - t_data
-            params, opt_state, metrics = step_fn(params, opt_state, batch)
-            pending.append((step, metrics, waited))
+            params, opt_state, metrics = step_for(rows)(params, opt_state, batch)
+            pending.append((step, metrics, waited, rows))
             window["steps"] += 1
             check(step - 1)  # the previous step, so this one keeps running meanwhile
             if bar is not None:

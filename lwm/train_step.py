@@ -103,10 +103,10 @@ def loss_fn(
     batch: dict,
     weights: tuple[float, float] = (0.5, 0.5),
     counts: tuple[jax.Array, jax.Array] | None = None,
-    one_document: bool = False,
+    rows: str = "any",
 ):
-    """The modality-balanced loss and its metrics; ``one_document`` as for
-    `LWMModel.hidden_states` (the caller has checked `one_document_rows`)."""
+    """The modality-balanced loss and its metrics; ``rows`` as for `LWMModel.hidden_states`
+    (the caller has checked it: `row_order`)."""
     model: LWMModel = nnx.merge(graphdef, params)
     targets = _targets(batch)
     # Vision targets as columns of the vision logits (restricted by model.vision_codes).
@@ -124,7 +124,7 @@ def loss_fn(
         batch.get(WINDOW_FIELD),
     )
     heads = (weights[0] > 0, weights[1] > 0)  # a head whose loss weight is 0 is not computed
-    hidden = model.hidden_states(*inputs, one_document=one_document)
+    hidden = model.hidden_states(*inputs, rows=rows)
     cap = model.cfg.loss_positions
     dropped = None
     if heads[0] and 0 < cap < hidden.shape[1]:
@@ -160,31 +160,47 @@ def trained_positions(hidden: jax.Array, targets: Targets, n: int):
     return jnp.take_along_axis(hidden, order[..., None], axis=1), kept, dropped
 
 
-def _grads_fn(params: nnx.State, graphdef: nnx.GraphDef, weights):
-    """``batch, counts -> ((loss, metrics), grads)``. Where the model's attention runs on cuDNN,
-    a batch whose rows are each one document in the model's layout (`one_document_rows`, checked
-    on the device) takes the schedule that decides nothing at run time
-    (`lwm.attention.cudnn`); any other batch, the general one. One conditional per step (per
-    micro-batch) instead of one per block pair and layer; both branches are compiled, the
-    results are the same. The metric ``one_document`` says which ran (1: that schedule)."""
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-    model: LWMModel = nnx.merge(graphdef, params)
-    cfg = model.cfg
-    platform = jax.default_backend() if model.mesh is None else model.mesh.devices.flat[0].platform
+def row_orders(cfg: ModelConfig, mesh: Mesh | None = None) -> tuple[str, ...]:
+    """The row orders (`lwm.model.ROW_ORDERS`) whose attention schedules differ for this
+    model on ``mesh``: only where attention runs on cuDNN (`lwm.attention.cudnn`; its stand-in
+    off a GPU) are there more than ``any``; ``in_order`` only where each device attends over
+    the whole sequence (blockwise attention, or a ring of one device)."""
+    platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
     kernel, emulated = resolve_kernel(cfg.attention_kernel, platform)
-    # What cuDNN refuses (float32, some head sizes) runs on the XLA kernel either way: no
-    # second branch for it.
+    # What cuDNN refuses (float32, some head sizes) runs on the XLA kernel whatever the order.
     q = jax.ShapeDtypeStruct((1, 1, cfg.num_heads, cfg.head_dim), cfg.dtype)
     k = jax.ShapeDtypeStruct((1, 1, cfg.num_kv_heads, cfg.head_dim), cfg.dtype)
     if cfg.attention == "dense" or kernel_for_inputs(kernel, emulated, q, k) != "cudnn":
-        return lambda batch, counts=None: grad_fn(params, graphdef, batch, weights, counts)
+        return ("any",)
+    sp = 1 if mesh is None else mesh.shape.get("sp", 1)
+    whole = cfg.attention == "blockwise" or sp == 1
+    return ("any", "in_order", "one_document") if whole else ("any", "one_document")
+
+
+def _grads_fn(params: nnx.State, graphdef: nnx.GraphDef, weights, rows: str | None):
+    """``batch, counts -> ((loss, metrics), grads)`` for rows of order ``rows``
+    (`lwm.model.ROW_ORDERS`, checked by the caller on the host: one program per order). With
+    ``rows=None`` the step checks on the device whether the batch's rows are each one document
+    in the model's layout (`one_document_rows`) and takes the ``one_document`` schedule if so,
+    ``any`` if not: one conditional per step (per micro-batch), both branches compiled (and
+    planned: the larger one's memory), for callers that cannot check on the host (processes
+    that would have to agree). The metric ``one_document`` then says which ran."""
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def run(batch, counts, order):
+        return grad_fn(params, graphdef, batch, weights, counts, order)
+
+    model: LWMModel = nnx.merge(graphdef, params)
+    if rows is None and "one_document" not in row_orders(model.cfg, model.mesh):
+        rows = "any"  # nothing to choose: the same program either way
+    if rows is not None:
+        return lambda batch, counts=None: run(batch, counts, rows)
 
     def grads(batch, counts=None):
-        def run(one_document):
-            return lambda: grad_fn(params, graphdef, batch, weights, counts, one_document)
-
         known = model.rows_are_one_document(batch["positions"], batch["segment_ids"])
-        (loss, metrics), g = jax.lax.cond(known, run(True), run(False))
+        (loss, metrics), g = jax.lax.cond(
+            known, lambda: run(batch, counts, "one_document"), lambda: run(batch, counts, "any")
+        )
         return (loss, dict(metrics, one_document=known.astype(jnp.float32))), g
 
     return grads
@@ -217,14 +233,16 @@ def train_step(
     weights: tuple[float, float] = (0.5, 0.5),
     grad_accum: int = 1,
     mesh: Mesh | None = None,
+    rows: str | None = None,
 ):
     """One optimizer step; returns new parameters, optimizer state and metrics (incl. grad norm).
 
-    With ``grad_accum > 1`` the batch is split into micro-batches whose gradients are summed;
+    ``rows``: what the caller knows of the order of every row of the batch (`row_order`: one
+    program per order), or None for the device to check (`_grads_fn`). With ``grad_accum > 1`` the batch is split into micro-batches whose gradients are summed;
     each micro-batch loss is averaged over the whole batch's target counts, so the result
     equals one step on the whole batch (up to float summation order).
     """
-    grads_of = _grads_fn(params, graphdef, weights)
+    grads_of = _grads_fn(params, graphdef, weights, rows)
     if grad_accum == 1:
         (_, metrics), grads = grads_of(batch)
     else:
@@ -352,16 +370,26 @@ def jit_train_step(
     *,
     weights: tuple[float, float] = (0.5, 0.5),
     grad_accum: int = 1,
+    rows: str | None = None,
 ):
     """The jitted training step `lwm train` runs, and the one `scripts/aot_compile.py` and
     `scripts/bench_train.py` compile: parameters and optimizer state keep the shardings their
     leaves carry in ``params`` / ``opt_state`` (abstract ones from `abstract_train_state`),
-    the batch is sharded by `batch_sharding`, and both state buffers are donated."""
+    the batch is sharded by `batch_sharding`, and both state buffers are donated. ``rows``:
+    the order of the batches' rows it is for (`train_step`)."""
     param_shardings = jax.tree.map(lambda x: x.sharding, params)
     opt_shardings = jax.tree.map(lambda x: x.sharding, opt_state)
     return jax.jit(
         lambda p, o, b: train_step(
-            p, o, b, graphdef=graphdef, tx=tx, weights=weights, grad_accum=grad_accum, mesh=mesh
+            p,
+            o,
+            b,
+            graphdef=graphdef,
+            tx=tx,
+            weights=weights,
+            grad_accum=grad_accum,
+            mesh=mesh,
+            rows=rows,
         ),
         in_shardings=(param_shardings, opt_shardings, batch_sharding(mesh)),
         out_shardings=(param_shardings, opt_shardings, NamedSharding(mesh, P())),

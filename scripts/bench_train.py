@@ -46,12 +46,13 @@ from data.batches import SyntheticTokenLoader
 from lwm.base.mesh import MeshError, make_mesh, use_platform
 from lwm.config import ConfigError, load_config
 from lwm.info import flops_per_token, measure_peak_flops, param_counts
-from lwm.model import create_model, row_permutation
+from lwm.model import ROW_ORDERS, create_model, row_order, row_permutation, sequence_layout
 from lwm.train_step import (
     abstract_train_state,
     batch_sharding,
     jit_train_step,
     make_optimizer,
+    row_orders,
 )
 
 SIZES = {
@@ -87,7 +88,12 @@ def bench_one(
     one_document: bool = False,
     settings: tuple[str, ...] = (),
     compiler_options: dict | None = None,
+    rows: str = "auto",
 ):
+    """One JSON record. ``rows``: the order of rows the step is compiled for
+    (`lwm.model.ROW_ORDERS`), ``auto`` for each batch's own (`row_order`, as one process of
+    `lwm train` chooses), or ``device`` for the step that checks on the device (as many
+    processes run it)."""
     path, overrides = SIZES[size]
     cfg = load_config(path, settings).model.model_copy(
         update={
@@ -131,26 +137,45 @@ def bench_one(
             for k, v in local.items()
         }
 
+    orders = row_orders(cfg, mesh)
+    order_layout = sequence_layout(cfg, sp)
+    compiled_for: dict = {}
+
+    def step_for(data):
+        """The compiled step for ``data``'s rows; the seconds spent compiling it now."""
+        order = {"auto": None, "device": None}.get(rows, rows)
+        if rows == "auto":
+            host = {k: np.asarray(data[k]) for k in ("positions", "segment_ids")}
+            order = row_order(host["positions"], host["segment_ids"], order_layout, sp, orders)
+        if order in compiled_for:
+            return compiled_for[order], order, 0.0
+        t0 = time.perf_counter()
+        step = jit_train_step(graphdef, tx, mesh, abs_params, abs_opt, rows=order)
+        lowered = step.lower(abs_params, abs_opt, data)  # the state's buffers may be donated
+        compiled_for[order] = lowered.compile(compiler_options)
+        return compiled_for[order], order, time.perf_counter() - t0
+
     data = next_batch()
-    step = jit_train_step(graphdef, tx, mesh, abs_params, abs_opt)
-    t0 = time.perf_counter()
-    compiled = step.lower(params, opt_state, data).compile(compiler_options)
-    compile_s = time.perf_counter() - t0
+    compiled, first_order, compile_s = step_for(data)
     temp = compiled.memory_analysis().temp_size_in_bytes
     params, opt_state, m = compiled(params, opt_state, data)  # warm-up
     jax.block_until_ready(m)
-    times, waits = [], []
+    times, waits, taken = [], [], [first_order]
     if dataset:  # as lwm train: read the next batch while the previous step runs
         t0 = time.perf_counter()
+        compiling = 0.0  # a batch of another order compiles its own step: not timed
         for _ in range(repeats):
             t = time.perf_counter()
             data = next_batch()
             waits.append(time.perf_counter() - t)
+            compiled, order, c = step_for(data)
+            compiling += c
+            taken.append(order)
             params, opt_state, m_next = compiled(params, opt_state, data)
             jax.block_until_ready(m)  # the previous step
             m = m_next
         jax.block_until_ready(m)
-        times = [(time.perf_counter() - t0) / repeats]
+        times = [(time.perf_counter() - t0 - compiling) / repeats]
     else:
         for _ in range(repeats):
             t0 = time.perf_counter()
@@ -158,8 +183,9 @@ def bench_one(
             jax.block_until_ready(m)
             times.append(time.perf_counter() - t0)
     dt = statistics.median(times)
-    extra = {}
-    if "one_document" in m:  # cuDNN attention: 1 when the step took the known-order schedule
+    # the rows' order each timed batch ran for (None: checked on the device)
+    extra = {"rows": rows, "row_orders": {str(o): taken.count(o) for o in dict.fromkeys(taken)}}
+    if "one_document" in m:  # checked on the device: 1 when it took the known-order schedule
         extra["one_document_schedule"] = float(m["one_document"])
     if dataset:
         wait = statistics.mean(waits)
@@ -238,7 +264,17 @@ def main() -> int:
         help="one document per row (the FLOP count's full causal attention) instead of the "
         "synthetic loader's short packed documents",
     )
+    p.add_argument(
+        "--rows",
+        default="auto",
+        help="the order of rows the step is compiled for, comma-separated to time several: "
+        "auto (each batch's own, as lwm train chooses), device (checked on the device, as "
+        f"with many processes) or one of {', '.join(ROW_ORDERS)}",
+    )
     args = p.parse_args()
+    if bad := [r for r in args.rows.split(",") if r not in ("auto", "device", *ROW_ORDERS)]:
+        print(f"bench_train: error: unknown --rows {bad[0]!r}", file=sys.stderr)
+        return 2
     try:
         # before anything asks JAX for its devices; on a CPU, as many as the mesh has
         use_platform(args.platform, cpu_devices=cpu_devices_for(args.mesh))
@@ -271,14 +307,19 @@ def main() -> int:
         }
         print(json.dumps(line), flush=True)
     print(json.dumps({"bench": "devices", "devices": [str(d) for d in jax.devices()]}), flush=True)
-    runs = [(a, k) for a in args.attention.split(",") for k in args.kernels.split(",")]
+    runs = [
+        (a, k, r)
+        for a in args.attention.split(",")
+        for k in args.kernels.split(",")
+        for r in args.rows.split(",")
+    ]
     for size in args.sizes.split(","):
         peak = peaks[load_config(SIZES[size][0], args.set).model.dtype]
         for seq in (int(s) for s in args.seqs.split(",")):
             row = {}
-            for attention, kernel in runs:
-                if attention == "dense" and kernel != runs[0][1]:
-                    continue  # dense attention has no block kernel
+            for attention, kernel, rows in runs:
+                if attention == "dense" and (kernel, rows) != runs[0][1:]:
+                    continue  # dense attention has no block kernel and no schedules
                 try:
                     rec = bench_one(
                         size,
@@ -295,6 +336,7 @@ def main() -> int:
                         args.one_document,
                         tuple(args.set),
                         args.compiler_options,
+                        rows,
                     )
                 except Exception as e:  # e.g. out of memory for dense at long sequences
                     rec = {
@@ -303,6 +345,7 @@ def main() -> int:
                         "seq": seq,
                         "attention": attention,
                         "kernel": kernel,
+                        "rows": rows,
                         "status": f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}",
                     }
                 row.setdefault(attention, rec)

@@ -16,7 +16,8 @@
 #   bash scripts/gpu_session.sh train       # bench_train 8K/32K, lwm train tiny (about 5)
 #   bash scripts/gpu_session.sh train_more  # remat dots_saveable, 256K (about 7)
 #   bash scripts/gpu_session.sh longest     # 512K, one step (up to 10)
-#   bash scripts/gpu_session.sh packed      # packed rows at 8K/32K, pieces of 4K and 8K (about 5)
+#   bash scripts/gpu_session.sh packed      # packed rows at 8K/32K: the in-order schedule against
+#                                           # the general one, command buffers (about 8)
 #   bash scripts/gpu_session.sh profile     # where one fwd+bwd call's time goes (about 2)
 #   bash scripts/gpu_session.sh second      # the known-order cuDNN schedule (8deb308) and the
 #                                           # general path's memory (aae31ed): parity, attention,
@@ -87,6 +88,9 @@ PY
     step check_bench_train 300 "$py" scripts/bench_train.py --platform cpu --sizes tiny \
         --seqs 256 --attention blockwise --kernels xla,cudnn --one-document --repeats 1 \
         --mesh 1,1,1,1
+    step check_bench_train_packed 300 "$py" scripts/bench_train.py --platform cpu --sizes tiny \
+        --seqs 256 --attention blockwise --kernels cudnn --rows auto,any --repeats 1 \
+        --mesh 1,1,1,1
     rm -rf "$out/check_tiny"
     step check_profile 120 "$py" scripts/profile_attention.py --platform cpu --seqs 512 \
         --heads 4 --head-dim 32 --repeats 1 --trace-calls 1
@@ -123,8 +127,8 @@ second)  # one call of about 6 minutes (timeout_s 590): the known-order schedule
     step bench_train 240 python3 scripts/bench_train.py --platform gpu --sizes 7b-4l \
         --seqs 8192,32768,131072 --attention blockwise --kernels cudnn --one-document --repeats 3
     step packed 60 python3 scripts/probe_cudnn_packed.py --platform gpu --out "$out/packed"
-    step bench_train_packed 90 python3 scripts/bench_train.py --platform gpu --sizes 7b-4l \
-        --seqs 8192 --attention blockwise --kernels cudnn --repeats 3
+    step bench_train_packed 120 python3 scripts/bench_train.py --platform gpu --sizes 7b-4l \
+        --seqs 8192 --attention blockwise --kernels cudnn --repeats 3 --rows auto,any
     ;;
 attention)
     step info 60 python3 -m lwm info configs/tiny.yaml model.attention_kernel=auto
@@ -155,19 +159,18 @@ longest)  # one call of up to 10 minutes: 512K (133.6 GiB planned on the CPU wit
         --attention blockwise --kernels cudnn --one-document --repeats 1 \
         --set model.mlp_chunk_size=8192 --set model.logits_chunk_size=8192
     ;;
-packed)  # one call of about 8 minutes (timeout_s 590): packed rows (pieces with a bias,
-    # 7a052ca) against one document per row, pieces of 8K, XLA's command buffers (CUDA graphs)
-    # taking the conditionals (one per piece and layer), and attention alone: the general path
-    # against the in-order schedule (no conditional, every piece below the diagonal computed)
-    step bench_train_packed_4k 150 python3 scripts/bench_train.py --platform gpu \
-        --sizes 7b-4l --seqs 8192,32768 --attention blockwise --kernels cudnn --repeats 3
-    step bench_train_packed_8k 90 python3 scripts/bench_train.py --platform gpu \
-        --sizes 7b-4l --seqs 8192 --attention blockwise --kernels cudnn --repeats 3 \
-        --cudnn-piece 8192
+packed)  # one call of about 8 minutes (timeout_s 590): packed rows in the train step, the
+    # schedule `lwm train` chooses for them (in order: one check per attention call) against the
+    # general one (a conditional per piece and layer), the latter with XLA's command buffers
+    # (CUDA graphs) taking the conditionals, one document per row beside them, and attention
+    # alone (the packed probe: general, in order, cuDNN's own packed layout)
+    step bench_train_packed 240 python3 scripts/bench_train.py --platform gpu \
+        --sizes 7b-4l --seqs 8192,32768 --attention blockwise --kernels cudnn --repeats 3 \
+        --rows auto,any
     step bench_train_packed_graphs 120 python3 scripts/bench_train.py --platform gpu \
-        --sizes 7b-4l --seqs 8192 --attention blockwise --kernels cudnn --repeats 3 \
+        --sizes 7b-4l --seqs 8192 --attention blockwise --kernels cudnn --repeats 3 --rows any \
         --compiler-options '{"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE", "xla_gpu_graph_min_graph_size": 1}'
-    step bench_train_one_document 120 python3 scripts/bench_train.py --platform gpu \
+    step bench_train_one_document 90 python3 scripts/bench_train.py --platform gpu \
         --sizes 7b-4l --seqs 8192 --attention blockwise --kernels cudnn --repeats 3 --one-document
     step packed_8k_3docs 45 python3 scripts/probe_cudnn_packed.py --platform gpu --docs 3
     step packed_32k_16docs 45 python3 scripts/probe_cudnn_packed.py --platform gpu \

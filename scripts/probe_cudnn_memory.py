@@ -7,7 +7,7 @@ a `lax.scan` over the layers, JAX hoisted what depends on positions alone out of
 with temporaries that grow with the square of the sequence.
 
     python scripts/probe_cudnn_memory.py --seq 8192 --cases plain,scan,scan-nosplit,scan-xla
-    python scripts/probe_cudnn_memory.py --seq 131072 --cases step,step-doc,step-general
+    python scripts/probe_cudnn_memory.py --seq 131072 --cases step,step-doc,step-general,step-in-order
 
 Attention cases: ``plain`` (``--layers`` layers unrolled), ``scan`` (in a `lax.scan`, as
 `scan_layers`), ``-nosplit`` (general pairs not cut into pieces of ``--piece`` tokens),
@@ -15,10 +15,11 @@ Attention cases: ``plain`` (``--layers`` layers unrolled), ``scan`` (in a `lax.s
 in order, the schedule that decides nothing at run time), ``-in-order`` (positions given and
 ``in_order``: the masked pieces' schedule). Train-step cases (configs/7b.yaml with ``--layers``
 layers, bf16 compute, float32 parameters and AdamW, remat ``nothing_saveable``, batch 1, as
-`scripts/bench_train.py --sizes 7b-4l` compiles it): ``step`` (as `lwm train` compiles it: the
-known-order schedule or the general one, chosen per step by one `lax.cond`), ``step-doc`` and
-``step-general`` (only that schedule); ``KEY=VALUE`` overrides apply to these. One JSON line
-each.
+`scripts/bench_train.py --sizes 7b-4l` compiles it): ``step`` (as many processes compile it:
+the known-order schedule or the general one, chosen per step by one `lax.cond`), ``step-doc``,
+``step-general`` and ``step-in-order`` (the step compiled for rows of one order, as one process
+of `lwm train` compiles one per order that occurs: `lwm.model.ROW_ORDERS`); ``KEY=VALUE``
+overrides apply to these. One JSON line each.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ def stand_ins(case: str, piece: int | None):
     """cuDNN's kernels as cheap functions with its output conventions (a mask bias read, so
     that building it counts); `lwm.attention.cudnn.PIECE` set. Restored after."""
     import jax.numpy as jnp
+    from jax import lax
 
     import lwm.attention.cudnn as cd
     from lwm.attention.blocks import F32
@@ -69,12 +71,17 @@ def stand_ins(case: str, piece: int | None):
     def read(bias):
         return 0.0 if bias is None else jnp.mean(bias.astype(F32))
 
+    # Each stand-in starts at an optimization barrier, opaque as cuDNN's custom call: else XLA
+    # moves their float32 converts out of the loops over pieces, converting whole arrays
+    # once (planned memory cuDNN's bf16 kernels never take).
     def fwd(q, k, v, causal, scale, bias=None):
+        q, k, v, bias = lax.optimization_barrier((q, k, v, bias))
         b, t, h, _ = q.shape
         lse = jnp.zeros((b, h, t), F32) + jnp.mean(k) + read(bias)
         return (q * jnp.mean(v)).astype(q.dtype), lse
 
     def bwd(q, k, v, out, lse, dout, causal, scale, bias=None):
+        q, k, v, out, lse, dout, bias = lax.optimization_barrier((q, k, v, out, lse, dout, bias))
         s = jnp.mean(lse) + jnp.mean(dout.astype(F32)) + read(bias)
         return (q * s).astype(q.dtype), (k * s).astype(k.dtype), (v * s).astype(v.dtype)
 
@@ -138,12 +145,21 @@ def attention_compiled(case: str, args: argparse.Namespace):
     return jax.jit(jax.grad(loss)).lower(w, x, pos).compile()
 
 
+# the train-step cases: the `rows` each compiles the step for (`lwm.train_step.train_step`)
+STEP_ROWS = {
+    "step": None,
+    "step-doc": "one_document",
+    "step-general": "any",
+    "step-in-order": "in_order",
+}
+
+
 def step_compiled(case: str, args: argparse.Namespace):
-    from unittest import mock
-
-    import jax
-
     import lwm.train_step as ts
+    from lwm.config import ConfigError
+
+    if case not in STEP_ROWS:
+        raise ConfigError(f"unknown case '{case}'; the train-step cases are {', '.join(STEP_ROWS)}")
     from lwm.base.mesh import make_mesh
     from lwm.config import load_config
 
@@ -163,19 +179,9 @@ def step_compiled(case: str, args: argparse.Namespace):
     tx, _ = ts.make_optimizer(1e-4)
     graphdef, params, opt_state = ts.abstract_train_state(cfg, mesh, tx)
     batch = ts.abstract_batch(mesh, 1, args.seq)
-    grads_fn = ts._grads_fn
-    if case != "step":  # one schedule only, instead of the per-step choice
-        one_document = case == "step-doc"
-
-        def grads_fn(params, graphdef, weights):
-            grad_fn = jax.value_and_grad(ts.loss_fn, has_aux=True)
-            return lambda batch, counts=None: grad_fn(
-                params, graphdef, batch, weights, counts, one_document
-            )
-
-    with mock.patch.object(ts, "_grads_fn", grads_fn):
-        step = ts.jit_train_step(graphdef, tx, mesh, params, opt_state)
-        return step.lower(params, opt_state, batch).compile()
+    rows = STEP_ROWS[case]
+    step = ts.jit_train_step(graphdef, tx, mesh, params, opt_state, rows=rows)
+    return step.lower(params, opt_state, batch).compile()
 
 
 if __name__ == "__main__":

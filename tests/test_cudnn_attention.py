@@ -245,13 +245,14 @@ def whole_float32_carries(jaxpr, s: int) -> list[int]:
     return counts
 
 
-def test_a_general_pair_in_bfloat16_carries_one_float32_gradient(small_pieces):
+@pytest.mark.parametrize("in_order", [False, True])
+def test_a_general_pair_in_bfloat16_carries_one_float32_gradient(small_pieces, in_order):
     """On one device in bf16 a general pair (packed documents) is folded piece by piece with
     float32 only where pieces are summed: the forward stores each query piece's output in bf16,
     and the backward runs key pieces outside, so that only dQ is carried whole in float32 (dK
     and dV of the pair all in float32 cost 20 GiB more for the 1.14B model at 512K; CPU plans
-    in docs/benchmarks.md). The ring's own accumulators, carried over ring steps, are float32
-    as before."""
+    in docs/benchmarks.md). So does the in-order schedule, two lines of pieces at a time. The
+    ring's own accumulators, carried over ring steps, are float32 as before."""
     s = 64
     q, k, v = (x.astype(jnp.bfloat16) for x in qkv(s=s, h=4, kvh=4))
     seg = packed_segments(2, s)
@@ -259,7 +260,8 @@ def test_a_general_pair_in_bfloat16_carries_one_float32_gradient(small_pieces):
     kw = dict(q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg)
 
     def loss(q, k, v):
-        return jnp.sum(blockwise_attention(q, k, v, kernel="cudnn", **kw).astype(jnp.float32))
+        out = blockwise_attention(q, k, v, kernel="cudnn", in_order=in_order, **kw)
+        return jnp.sum(out.astype(jnp.float32))
 
     jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v).jaxpr
     carries = whole_float32_carries(jaxpr, s)
@@ -301,12 +303,14 @@ def brute_keys_precede_queries(pos, seg) -> bool:
     return not np.triu(seen, 1).any()
 
 
-@pytest.mark.parametrize("rows", ["packed", "long", "padded", "turns"])
-def test_in_order_rows_equal_dense(small_pieces, rows):
+@pytest.mark.parametrize(
+    "rows, s",
+    [("packed", 64), ("long", 64), ("padded", 64), ("turns", 64), ("packed", 16), ("padded", 32)],
+)
+def test_in_order_rows_equal_dense(small_pieces, rows, s):
     """Rows whose every visible key precedes its query, told so (``in_order``): the schedule
     of masked pieces on and below the diagonal equals dense attention, output to 1e-5 and
-    gradients to 1e-4 (fp32, GQA; 8 pieces a side)."""
-    s = 64
+    gradients to 1e-4 (fp32, GQA; 8, 2 and 4 pieces a side)."""
     seg, pos = in_order_rows(rows, 2, s)
     assert bool(keys_precede_queries(pos, seg)) and brute_keys_precede_queries(pos, seg)
     kw = dict(q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg)
@@ -317,28 +321,77 @@ def test_in_order_rows_equal_dense(small_pieces, rows):
     assert_matches(ours, lambda q, k, v: dense_attention(q, k, v, **kw), *qkv(s=s))
 
 
-def test_in_order_rows_decide_nothing_at_run_time(small_pieces):
-    """Told ``in_order``, packed rows run with no conditional (64 tokens in pieces of 8: 36
-    calls forward, 36 backward, in loops of fixed trip counts); not told, every piece's kind
-    is decided at run time."""
+def top_level_conds(jaxpr) -> list[tuple[int, ...]]:
+    """For every conditional not inside another one (nested jaxprs searched), how many
+    conditionals each of its branches holds (at any depth)."""
+
+    def subjaxprs(eqn):
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, list | tuple) else (param,):
+                if isinstance(sub, ClosedJaxpr):
+                    yield sub.jaxpr
+                elif isinstance(sub, Jaxpr):
+                    yield sub
+
+    def count(jaxpr) -> int:
+        return sum(
+            (eqn.primitive.name == "cond") + sum(count(j) for j in subjaxprs(eqn))
+            for eqn in jaxpr.eqns
+        )
+
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "cond":
+            found.append(tuple(count(b.jaxpr) for b in eqn.params["branches"]))
+        else:
+            for sub in subjaxprs(eqn):
+                found += top_level_conds(sub)
+    return found
+
+
+def test_in_order_rows_decide_once_per_call(small_pieces):
+    """Told ``in_order``, packed rows decide one thing at run time per call, forward and
+    backward: whether they are in order. Its branch for rows in order holds no conditional
+    (64 tokens in pieces of 8: 36 cuDNN calls each way, in loops of fixed trip counts); the
+    other is the general schedule, which decides every pair's and piece's kind at run time."""
     seg, pos = in_order_rows("packed", 2, 64)
 
-    def attend(in_order):
-        def fn(q, k, v, pos, seg):
+    def grads(in_order):
+        def loss(q, k, v):
             kw = dict(q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg)
-            return blockwise_attention(q, k, v, kernel="cudnn", in_order=in_order, **kw)
+            out = blockwise_attention(q, k, v, kernel="cudnn", in_order=in_order, **kw)
+            return jnp.sum(out)
 
-        return fn
+        return jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(*qkv(s=64)).jaxpr
 
-    assert conditionals(attend(True), pos, seg) == 0
-    assert conditionals(attend(False), pos, seg) > 0
+    told = top_level_conds(grads(True))
+    assert len(told) == 2 and all(general > 0 and ordered == 0 for general, ordered in told)
+    general = top_level_conds(grads(False))  # the pair's kind, forward and backward
+    assert len(general) == 2 and all(min(branches) == 0 < max(branches) for branches in general)
+
+
+def test_in_order_is_a_hint_checked_on_the_device(small_pieces):
+    """Rows told ``in_order`` that are not (padding all at position 0, whose queries see later
+    padding keys; a zigzag order) take the general schedule: still equal to dense attention."""
+    padded, pos = in_order_rows("padded", 2, 64)
+    flat = jnp.where(padded == 0, 0, pos)
+    zigzag = jnp.broadcast_to(jnp.asarray(zigzag_permutation(64, 2), jnp.int32), (2, 64))
+    for pos, seg in ((flat, padded), (zigzag, jnp.ones_like(padded))):
+        assert not bool(keys_precede_queries(pos, seg))
+        kw = dict(q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg)
+
+        def ours(q, k, v, kw=kw):
+            return blockwise_attention(q, k, v, kernel="cudnn", in_order=True, **kw)
+
+        assert_matches(ours, lambda q, k, v, kw=kw: dense_attention(q, k, v, **kw), *qkv(s=64))
 
 
 def test_keys_precede_queries_says_yes_only_where_it_holds():
     """Yes to packed documents, isolated turns and padding that counts its own positions; no
     to a zigzag layout, padding all at position 0 (as the training loader writes it), a
     question before its video; and over random rows (documents, turns, padding, then tokens
-    swapped or positions repeated), never yes where a query sees a key after it."""
+    swapped or positions repeated), never yes where a query sees a key after it; on the host
+    (numpy, as `lwm train` checks its batches) the same answers."""
     for rows in ("packed", "long", "padded", "turns"):
         assert bool(keys_precede_queries(*in_order_rows(rows, 1, 64)[::-1]))
     one = jnp.asarray(zigzag_permutation(64, 2), jnp.int32)[None]
@@ -372,6 +425,7 @@ def test_keys_precede_queries_says_yes_only_where_it_holds():
             i = rng.integers(1, len(seg))
             pos[i] = pos[i - 1]
         yes = bool(keys_precede_queries(jnp.asarray(pos)[None], jnp.asarray(seg)[None]))
+        assert keys_precede_queries(pos[None], seg[None], np) == yes  # on the host, the same
         if yes:
             assert brute_keys_precede_queries(pos[None], seg[None]), (seg, pos)
         said_yes += yes

@@ -15,6 +15,7 @@ from data import dataset_io
 from data.batches import BATCH_FIELDS, WINDOW_FIELD
 from data.loader import TokenDatasetLoader, plan_epoch
 from data.tokens import frame_cells, frame_window
+from lwm.attention import keys_precede_queries
 
 SEQ = 32
 
@@ -93,6 +94,10 @@ def test_packing_emits_every_token_once_with_segments_and_positions(dataset):
                 )
                 assert offset % SEQ == 0
             seen += tok[real].tolist()
+            # padding counts its positions, so the row is in order whole (the cuDNN
+            # kernel's `in_order` schedule)
+            np.testing.assert_array_equal(pos[~real], np.arange((~real).sum()))
+        assert keys_precede_queries(b["positions"], b["segment_ids"], np)
     expected = [i * 1000 + j for i, n in enumerate(LENGTHS) for j in range(n)]
     assert sorted(seen) == expected  # every token exactly once
     # the next batch is from epoch 1, in another order

@@ -22,7 +22,12 @@ from data.batches import (
 )
 from data.loader import TokenDatasetLoader
 from data.tokens import TextCodec, build_example, record_turns
-from lwm.attention import blockwise_attention, dense_attention, ring_attention
+from lwm.attention import (
+    blockwise_attention,
+    dense_attention,
+    keys_precede_queries,
+    ring_attention,
+)
 from lwm.attention.layout import zigzag_permutation
 from lwm.base.mesh import make_mesh
 from lwm.model import create_model
@@ -139,6 +144,12 @@ def test_the_loader_gives_each_turn_its_own_segment_and_the_videos_positions(cod
         assert (seg[in_doc] & MAX_TURNS).tolist() == turn.tolist()
         assert pos[in_doc].tolist() == positions.tolist()
         assert batch["tokens"][0][in_doc].tolist() == ex["tokens"].tolist()
+    # Every key a query sees comes before it, padding included (the cuDNN kernel's
+    # `in_order` schedule); with the padding all at one position it would not.
+    segs = batch["segment_ids"]
+    assert keys_precede_queries(batch["positions"], segs, np) and (segs == 0).sum() > 1
+    flat = np.where(segs == 0, 0, batch["positions"])
+    assert not keys_precede_queries(flat, segs, np)
     # Targets: an answer token is the target of the token before it in its turn; no target
     # crosses from one turn to the next; the trained answers are the records' own.
     seg2 = batch["segment_ids"]

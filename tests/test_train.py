@@ -130,6 +130,50 @@ def test_loss_falls_with_ring_attention_on_two_meshes(reference, tmp_path):
     assert (tmp_path / "tensorboard").is_dir() and (tmp_path / "config.yaml").is_file()
 
 
+def test_each_batch_runs_the_step_compiled_for_its_rows(tmp_path, monkeypatch):
+    """With cuDNN attention (its stand-in) `lwm train` checks each batch on the host and runs
+    the step compiled for its rows' order (`lwm.model.row_order`): here packed rows (in order)
+    and, every other step, one document per row. Each order compiles once, the metrics give
+    the share of each, and the losses are the XLA kernel's."""
+    import lwm.train as lt
+
+    real = lt.build_loader
+
+    class EveryOtherOneDocument:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __next__(self):
+            batch = next(self.inner)
+            if self.inner.step % 2 == 0:
+                n = batch["positions"].shape[1]
+                batch["segment_ids"] = np.ones_like(batch["segment_ids"])
+                batch["positions"] = np.broadcast_to(np.arange(n, dtype=np.int32), (2, n)).copy()
+            return batch
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    monkeypatch.setattr(lt, "build_loader", lambda *a: EveryOtherOneDocument(real(*a)))
+    runs = {}
+    for kernel in ("xla", "cudnn"):
+        out = tmp_path / kernel
+        args = ("train.steps=4", "mesh.shape=1,2,4,1", "model.attention=blockwise")
+        r = lwm_train_here(out, *args, f"model.attention_kernel={kernel}")
+        assert r.returncode == 0, r.stderr
+        runs[kernel] = (losses(out), r.stderr, out)
+    (ref, _, _), (got, err, out) = runs["xla"], runs["cudnn"]
+    assert sorted(got) == [1, 2, 3, 4]
+    for step in got:
+        assert got[step] == pytest.approx(ref[step], rel=1e-5), step
+    assert err.count("rows in_order: compiling") == 1, err
+    assert err.count("rows one_document: compiling") == 1, err
+    assert "rows any" not in err and "rows " not in runs["xla"][1]
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["rows_one_document"] for r in records] == [0.0, 1.0, 0.0, 1.0]
+    assert [r["rows_in_order"] for r in records] == [1.0, 0.0, 1.0, 0.0]
+
+
 def _wait_for_step(out: Path, step: int, proc, timeout=300.0):
     deadline = time.time() + timeout
     path = out / "metrics.jsonl"

@@ -311,9 +311,10 @@ def test_one_document_rows_are_recognised():
 
 def test_one_document_schedule_gives_the_same_loss_and_gradients():
     """With cuDNN attention (its stand-in here) on a zigzag ring: the loss and gradients of
-    a one-document batch told its order (`loss_fn(one_document=True)`) equal those computed
-    from its positions and segment ids; and the train step, which picks between the two on
-    the device, gives the XLA kernel's loss on one-document and packed batches alike."""
+    a one-document batch told its order (`loss_fn(rows="one_document")`) equal those computed
+    from its positions and segment ids; and the train step left to check on the device
+    (``rows=None``, as with many processes) gives the XLA kernel's loss on one-document and
+    packed batches alike."""
     import jax.numpy as jnp
 
     from data.batches import SyntheticTokenLoader
@@ -333,14 +334,12 @@ def test_one_document_schedule_gives_the_same_loss_and_gradients():
 
     graphdef, params = setup("cudnn")
 
-    def grads(one_document):
-        fn = jax.value_and_grad(
-            lambda p, b: loss_fn(p, graphdef, b, one_document=one_document), has_aux=True
-        )
+    def grads(rows):
+        fn = jax.value_and_grad(lambda p, b: loss_fn(p, graphdef, b, rows=rows), has_aux=True)
         (loss, _), g = jax.jit(fn)(params, one)
         return float(loss), jax.tree.leaves(g)
 
-    (l0, g0), (l1, g1) = grads(False), grads(True)
+    (l0, g0), (l1, g1) = grads("any"), grads("one_document")
     assert abs(l1 - l0) <= 1e-6 * abs(l0)
     for a, b in zip(g0, g1, strict=True):
         assert float(jnp.max(jnp.abs(a - b))) <= 1e-5 * (float(jnp.max(jnp.abs(a))) + 1e-12)
@@ -357,11 +356,77 @@ def test_one_document_schedule_gives_the_same_loss_and_gradients():
     assert took == [1.0, 0.0]  # which schedule each batch took (the metric `one_document`)
 
 
-def test_one_document_choice_is_built_only_where_cudnn_runs(monkeypatch):
-    """On a GPU (simulated: the kernel resolves to cuDNN's own), the step chooses between the
-    two schedules for bfloat16 compute only: with float32 cuDNN refuses the inputs, the XLA
-    kernel runs either way, and compiling a second branch would buy nothing. (Read from the
-    metric the choice adds.)"""
+def _padded_packed_batch(seq: int) -> dict:
+    """Two rows of packed documents (ids 1, 2, ..) and then padding (segment 0), positions
+    counting in each, as `lwm train`'s loader lays them out."""
+    from data.batches import SyntheticTokenLoader, make_training_batch
+
+    b = next(SyntheticTokenLoader(batch_size=2, seq_len=seq, text_vocab_size=256))
+    seg = b["segment_ids"].copy()
+    seg[0, -11:], seg[1, -5:] = 0, 0
+    pos = b["positions"].copy()
+    pos[0, -11:], pos[1, -5:] = np.arange(11), np.arange(5)
+    loss = (seg > 0).astype(np.float32)
+    return make_training_batch(b["tokens"], b["vision_mask"], loss, seg, pos)
+
+
+def test_in_order_schedule_gives_the_same_loss_and_gradients(monkeypatch):
+    """Packed, padded rows (as the loader writes them) are in order on the host
+    (`row_order`), and with cuDNN attention (its stand-in, pieces of 8 tokens so that the rows
+    are cut into 8 a side) told so (`loss_fn(rows="in_order")`: no conditional) the loss and
+    gradients equal those of the general schedule and of the XLA kernel, and the in-order
+    schedule runs; with the padding all at one position the rows are not in order. One-document rows are ``one_document``."""
+    import jax.numpy as jnp
+    from test_cudnn_attention import top_level_conds
+
+    import lwm.attention.cudnn as cudnn
+    from lwm.model import row_order
+    from lwm.train_step import loss_fn
+
+    monkeypatch.setattr(cudnn, "PIECE", 8)
+    mesh = make_mesh("1,2,4,1")  # blockwise: each device attends over the whole sequence
+    batch = _padded_packed_batch(64)
+    assert row_order(batch["positions"], batch["segment_ids"], "contiguous", 1) == "in_order"
+    flat = np.where(batch["segment_ids"] == 0, 0, batch["positions"])
+    assert row_order(flat, batch["segment_ids"], "contiguous", 1) == "any"
+    one = _one_document(batch, np.arange(64))
+    assert row_order(one["positions"], one["segment_ids"], "contiguous", 1) == "one_document"
+    assert row_order(one["positions"], one["segment_ids"], "contiguous", 1, ("any",)) == "any"
+
+    def grads(kernel, rows):
+        cfg = load_config("configs/debug.yaml").model.model_copy(
+            update={
+                "attention": "blockwise",
+                "block_q": 8,
+                "block_k": 8,
+                "attention_kernel": kernel,
+            }
+        )
+        graphdef, params = nnx.split(create_model(cfg, mesh=mesh), nnx.Param)
+        fn = jax.value_and_grad(lambda p, b: loss_fn(p, graphdef, b, rows=rows), has_aux=True)
+        (loss, _), g = jax.jit(fn)(params, batch)
+        # the in-order schedule's one check per call: a conditional of two branches, one of
+        # them (the schedule) without any (`test_in_order_rows_decide_once_per_call`)
+        checks = top_level_conds(jax.make_jaxpr(fn)(params, batch).jaxpr)
+        checks = [c for c in checks if len(c) == 2 and min(c) == 0]
+        return float(loss), jax.tree.leaves(g), len(checks)
+
+    ref_loss, ref, _ = grads("xla", "any")
+    for rows in ("any", "in_order"):
+        loss, got, checks = grads("cudnn", rows)
+        assert (checks > 0) == (rows == "in_order"), (rows, checks)
+        assert abs(loss - ref_loss) <= 1e-6 * abs(ref_loss), rows
+        for a, b in zip(ref, got, strict=True):
+            err = float(jnp.max(jnp.abs(a - b)))
+            assert err <= 1e-5 * (float(jnp.max(jnp.abs(a))) + 1e-12), (rows, err)
+
+
+def test_row_orders_follow_the_kernel_and_the_mesh(monkeypatch):
+    """On a GPU (simulated: the kernel resolves to cuDNN's own) the orders of rows that get
+    their own schedule are all three for bfloat16 where each device attends over the whole
+    sequence, ``any`` and ``one_document`` on a ring of 8, and ``any`` alone for float32 (cuDNN
+    refuses it: the XLA kernel runs whatever the order) and for the XLA kernel. A step left to
+    check on the device builds its conditional only where there is a choice."""
     from jax._src.cudnn import fused_attention_stablehlo as fa
 
     import lwm.train_step as ts
@@ -371,15 +436,26 @@ def test_one_document_choice_is_built_only_where_cudnn_runs(monkeypatch):
     monkeypatch.setattr(
         ts, "resolve_kernel", lambda k, p=None: ("cudnn", False) if k == "cudnn" else real(k, p)
     )
-    mesh = make_mesh("1,1,8,1")
     tx, _ = make_optimizer(1e-3)
-    chooses = {}
-    for dtype in ("float32", "bfloat16"):
+    got, chooses = {}, {}
+    for shape, attention, kernel, dtype in [
+        ("1,1,8,1", "ring", "cudnn", "float32"),
+        ("1,1,8,1", "ring", "cudnn", "bfloat16"),
+        ("1,1,8,1", "blockwise", "cudnn", "bfloat16"),
+        ("1,8,1,1", "ring", "cudnn", "bfloat16"),
+        ("1,8,1,1", "ring", "xla", "bfloat16"),
+    ]:
+        mesh = make_mesh(shape)
         cfg = load_config("configs/debug.yaml").model.model_copy(
-            update={"attention": "ring", "attention_kernel": "cudnn", "dtype": dtype}
+            update={"attention": attention, "attention_kernel": kernel, "dtype": dtype}
         )
-        graphdef, params = nnx.split(create_model(cfg, mesh=mesh), nnx.Param)
-        step = jax.jit(lambda p, o, b, g=graphdef: train_step(p, o, b, graphdef=g, tx=tx))
-        metrics = jax.eval_shape(step, params, tx.init(params), abstract_batch(mesh, 2, 64))[2]
-        chooses[dtype] = "one_document" in metrics
+        key = (shape, attention, kernel, dtype)
+        got[key] = ts.row_orders(cfg, mesh)
+        if shape == "1,1,8,1" and attention == "ring":
+            graphdef, params = nnx.split(create_model(cfg, mesh=mesh), nnx.Param)
+            step = jax.jit(lambda p, o, b, g=graphdef: train_step(p, o, b, graphdef=g, tx=tx))
+            metrics = jax.eval_shape(step, params, tx.init(params), abstract_batch(mesh, 2, 64))[2]
+            chooses[dtype] = "one_document" in metrics
+    three = ("any", "in_order", "one_document")
+    assert list(got.values()) == [("any",), ("any", "one_document"), three, three, ("any",)]
     assert chooses == {"float32": False, "bfloat16": True}

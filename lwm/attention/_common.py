@@ -80,30 +80,34 @@ def attention_mask(
     return mask
 
 
-def keys_precede_queries(positions: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
+def keys_precede_queries(positions, segment_ids, xp=jnp):
     """Whether in every row each key a query sees (causal by position, `segments_see`) is at
     the query's index or before it, as a scalar bool: where it holds, ``in_order`` may be
-    given (`lwm.attention.blockwise_attention`). Positions and segment ids ``[batch, len]``.
-    Checked by two conditions that together imply it, in O(len log len): within each segment
-    id positions increase strictly with the index, and each document's turn 0 comes before its
-    other turns (`data.batches.turn_segment_ids`). Rows of documents packed one after another
-    pass; padding all at position 0 (as `lwm train`'s loader writes it) does not, since its
-    queries see every padding key."""
+    given (`lwm.attention.blockwise_attention`). Positions and segment ids ``[batch, len]``
+    (segment ids may be None), traced (``xp=jnp``) or on the host (``xp=np``, as `lwm train`
+    checks each batch before it runs). Checked by two conditions that together imply it, in
+    O(len log len): within each segment id positions increase strictly with the index, and
+    each document's turn 0 comes before its other turns (`data.batches.turn_segment_ids`).
+    Rows of documents packed one after another pass, with their padding where it counts its
+    positions (as `lwm train`'s loader writes it); padding all at one position does not, since
+    its queries see every padding key."""
     if segment_ids is None:
-        segment_ids = jnp.zeros_like(positions)
+        segment_ids = xp.zeros_like(positions)
 
     def row(pos, seg):
-        index = jnp.arange(pos.shape[0])
-        order = jnp.lexsort((index, seg))  # by segment, then index
+        index = xp.arange(pos.shape[0])
+        order = xp.lexsort((index, seg))  # by segment, then index
         s, p = seg[order], pos[order]
-        increasing = jnp.all((s[1:] != s[:-1]) | (p[1:] > p[:-1]))
-        doc = segment_documents(seg, jnp)
+        increasing = xp.all((s[1:] != s[:-1]) | (p[1:] > p[:-1]))
+        doc = segment_documents(seg, xp)
         first = (seg < TURN_FLAG) | ((seg & MAX_TURNS) == 0)  # turn 0, or no turns
-        order = jnp.lexsort((index, doc))
+        order = xp.lexsort((index, doc))
         d, f = doc[order], first[order]
-        turn0_first = ~jnp.any((d[1:] == d[:-1]) & ~f[:-1] & f[1:])
+        turn0_first = ~xp.any((d[1:] == d[:-1]) & ~f[:-1] & f[1:])
         return increasing & turn0_first
 
+    if xp is np:
+        return bool(all(row(p, s) for p, s in zip(positions, segment_ids, strict=True)))
     return jnp.all(jax.vmap(row)(positions, segment_ids))
 
 

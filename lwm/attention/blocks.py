@@ -69,9 +69,10 @@ class Spec(NamedTuple):
     # "zigzag": one document in that layout's order), else None. Only the cuDNN kernel reads
     # it: it then knows which block pairs are live without looking (`lwm.attention.cudnn`).
     order: str | None = None
-    # Positions and segment ids were given, and the caller knows that no query sees a key at a
-    # later index (documents packed one after another, each in order: `keys_precede_queries`).
-    # Only the cuDNN kernel reads it, on one device: it then schedules every call when tracing.
+    # Positions and segment ids were given, and the caller expects that no query sees a key at
+    # a later index (documents packed one after another, each in order: `keys_precede_queries`).
+    # Only the cuDNN kernel reads it, on one device: it checks it once per call and, where it
+    # holds, schedules every call when tracing.
     in_order: bool = False
 
 

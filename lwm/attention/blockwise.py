@@ -271,9 +271,10 @@ def blockwise_attention(
 
     Sequence lengths need not be multiples of the blocks (inputs are padded internally).
     ``kernel``: the block kernel, ``xla``, ``pallas`` (interpreted off a TPU), ``cudnn``
-    (emulated off a GPU) or ``auto``. ``in_order``: the caller knows that no query sees a key
-    at a later index (`keys_precede_queries`: documents packed one after another, each in
-    order); the cuDNN kernel then decides nothing at run time. Wrong where it is not so.
+    (emulated off a GPU) or ``auto``. ``in_order``: the caller expects that no query sees a
+    key at a later index (`keys_precede_queries`: documents packed one after another, each in
+    order); the cuDNN kernel then checks it once per call and, where it holds, decides nothing
+    else at run time (the result is the same either way).
     """
     given = (q_positions, kv_positions, q_segment_ids, kv_segment_ids)
     args, spec = prepare_inputs(

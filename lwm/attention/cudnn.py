@@ -27,9 +27,11 @@ Each of those choices is a conditional, and on a GPU the device idles while the 
 predicate (1-2 ms per fwd+bwd call at 8K on an H200, more than the kernels' own gap to cuDNN;
 docs/benchmarks.md). So when the caller gives no positions and no segment ids (``Spec.order``:
 one document in a contiguous or zigzag order), every call is scheduled when tracing
-(`_ordered_forward`): nothing is decided at run time. So it is, on one device, when the caller
-knows that every key a query sees comes before it (``in_order``: documents packed one after
-another; `_in_order_forward`), at the price of computing every piece below the diagonal.
+(`_ordered_forward`): nothing is decided at run time. On one device, when the caller says that
+every key a query sees comes before it (``in_order``: documents packed one after another), one
+thing is decided per call, whether that holds (`_if_in_order`), and then every call is
+scheduled when tracing (`_in_order_forward`), at the price of computing every piece below the
+diagonal.
 
 Backward: JAX's own cuDNN rule is for one call; it drops the log-sum-exp's cotangent, so autodiff
 through the combine would be wrong. This module has its own VJP (as ring-flash-attention does
@@ -53,7 +55,6 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from lwm.attention._common import (
@@ -63,6 +64,7 @@ from lwm.attention._common import (
     axis_size,
     block_kind,
     full,
+    keys_precede_queries,
     make_varying,
     union_vma,
 )
@@ -548,7 +550,14 @@ def _forward(q, k, v, qp, kp, qsg, ksg, spec: Spec, axis_name):
         return _ordered_forward(q, k, v, spec, axis_name)
     vma = union_vma((q, k, v, qp, kp, qsg, ksg))
     if _in_order(spec, axis_name, q.shape[1], k.shape[1]):
-        return _in_order_forward(q, k, v, qp, qsg, kp, ksg, spec, vma)
+
+        def general(q, k, v, qp, qsg, kp, ksg):
+            return _pair_fwd(q, k, v, qp, qsg, kp, ksg, spec, vma, dtype=q.dtype)
+
+        def in_order(q, k, v, qp, qsg, kp, ksg):
+            return _in_order_forward(q, k, v, qp, qsg, kp, ksg, spec, vma)
+
+        return _if_in_order(in_order, general, q, k, v, qp, qsg, kp, ksg)
     n = axis_size(axis_name)
     m = _num_pieces(axis_name, q.shape[1], k.shape[1])
     if n == 1 and m == 1:  # one pair is the whole attention: no float32 accumulator
@@ -577,14 +586,22 @@ def _backward(res, dout, spec: Spec, axis_name):
         return _ordered_backward(res, dout, spec, axis_name)
     q, k, v, qp, kp, qsg, ksg, out, lse = res
     vma = union_vma(jax.tree.leaves(res))
-    if _in_order(spec, axis_name, q.shape[1], k.shape[1]):
-        return _in_order_backward(q, k, v, out, lse, dout, qp, qsg, kp, ksg, spec, vma)
-    n = axis_size(axis_name)
-    m = _num_pieces(axis_name, q.shape[1], k.shape[1])
-    if n == 1 and m == 1:  # one pair: its gradients are the whole ones, in the input dtype
-        operands = (q, k, v, out, lse, dout, qp, qsg, kp, ksg)
+    operands = (q, k, v, out, lse, dout, qp, qsg, kp, ksg)
+
+    def general(*operands):  # one pair: its gradients are the whole ones, in the input dtype
         dq, dk, dv = _pair_bwd(*operands, spec, vma, dtype=q.dtype)
         return dq, dk.astype(k.dtype), dv.astype(v.dtype)
+
+    if _in_order(spec, axis_name, q.shape[1], k.shape[1]):
+
+        def in_order(*operands):
+            return _in_order_backward(*operands, spec, vma)
+
+        return _if_in_order(in_order, general, *operands)
+    n = axis_size(axis_name)
+    m = _num_pieces(axis_name, q.shape[1], k.shape[1])
+    if n == 1 and m == 1:
+        return general(*operands)
 
     def fold(kv, dq, dk, dv):
         k, v, kp, ksg = kv
@@ -743,26 +760,46 @@ def _ordered_backward(res, dout, spec: Spec, axis_name):
 
 
 def _in_order(spec: Spec, axis_name: str | None, q_len: int, kv_len: int) -> bool:
-    """Whether `_in_order_forward` runs: the caller knows that no query sees a later key
-    (``spec.in_order``), attention is causal, and the whole sequence is on this device."""
+    """Whether `_if_in_order` chooses the schedule: the caller says that no query sees a later
+    key (``spec.in_order``), attention is causal, and the whole sequence is on this device."""
     return spec.in_order and spec.causal and axis_size(axis_name) == 1 and q_len == kv_len
 
 
-def _below_diagonal(m: int) -> tuple[jax.Array, jax.Array]:
-    """Query and key piece of every pair below the diagonal, ``m`` pieces a side, row by row."""
-    i, j = np.tril_indices(m, -1)
-    return jnp.asarray(i, jnp.int32), jnp.asarray(j, jnp.int32)
+def _if_in_order(in_order, general, *operands):
+    """``in_order(*operands)`` where the rows are in order (`keys_precede_queries`, checked
+    on the device: queries and keys the same tokens, every visible key at or before its
+    query), else ``general(*operands)``; ``operands`` end with (qp, qsg, kp, ksg). One
+    conditional per call: so ``in_order`` is a hint, never wrong, and the schedule plans the
+    memory of the general one (unconditioned, XLA's CPU scheduler planned it 17% more for the
+    1.14B model at 128K: docs/benchmarks.md)."""
+    qp, qsg, kp, ksg = operands[-4:]
+    same = jnp.all(qp == kp) & (True if qsg is None else jnp.all(qsg == ksg))
+    ok, operands = _tied(same & keys_precede_queries(qp, qsg), operands)
+    return lax.cond(ok, in_order, general, *operands)
+
+
+def _paired(r, n, m: int):
+    """Pieces below the diagonal, ``m`` a side (even), two lines at a time: line ``r`` has
+    ``r`` of them and line ``m-1-r`` has ``m-1-r``, so every pair of lines has ``m - 1``, and
+    the ``n``-th of them (``n < m - 1``) is on line ``r`` when ``n < r`` (its ``n``-th piece),
+    else on line ``m-1-r`` (its ``(n-r)``-th). Returns (on line ``r``, the line, the piece
+    along it), traced, no conditional: loops of fixed trip counts go over every piece below
+    the diagonal with no work wasted, as causal flash attention balances its rows."""
+    first = n < r
+    return first, jnp.where(first, r, m - 1 - r), jnp.where(first, n, n - r)
 
 
 def _in_order_forward(q, k, v, qp, qsg, kp, ksg, spec: Spec, vma):
     """`_forward` for rows in which every key a query sees comes before it in the sequence
     (``spec.in_order``: documents packed one after another, each in order). Nothing above the
     diagonal is visible then, so the schedule is fixed when tracing, with no conditional (the
-    general path has one per piece and layer): the diagonal pieces (`PIECE` tokens a side) are
-    each one cuDNN call under its causal mask and the pair's mask as a bias, then every piece
-    below the diagonal one call with the bias, in loops of fixed trip counts. Pieces that see
-    nothing are computed anyway: the calls do the work of one causal call over the row. The
-    output is summed in float32 over the row, as the general path did before 817cc56."""
+    general path has one per piece and layer; `_if_in_order` has the one that chose this):
+    each diagonal piece (`PIECE` tokens a side) is
+    one cuDNN call under its causal mask and the pieces' mask as a bias, and every piece below
+    the diagonal one call with the bias. Query pieces go two at a time (`_paired`: rows ``r``
+    and ``m-1-r``, ``m - 1`` pieces below the diagonal between them), each summed in float32
+    and stored in the input dtype: no float32 output the size of the row. Pieces that see
+    nothing are computed anyway: the calls do the work of one causal call over the row."""
     fwd, _ = _kernels(spec)
     (qp, qsg, kp, ksg), (q, k, v) = _tied((qp, qsg, kp, ksg), (q, k, v))
     m = _split_count(q.shape[1], k.shape[1])
@@ -777,23 +814,33 @@ def _in_order_forward(q, k, v, qp, qsg, kp, ksg, spec: Spec, vma):
     if m == 1:
         return call(0, 0, True, q.dtype)
 
-    rows, cols = _below_diagonal(m)
+    def rows(r, acc):
+        a, b = r, m - 1 - r
 
-    def below(n, acc):
-        i = rows[n]
-        row = _merge(_piece(acc[0], i, t), _piece(acc[1], i, t, axis=2), *call(i, cols[n], False))
-        return _set_rows(acc, i, row)
+        def below(n, parts):
+            first, i, j = _paired(r, n, m)
+            part = call(i, j, False)
+            merged = [_merge(*p, *part) for p in parts]
+            pick = lambda x, y: jnp.where(first, x, y)  # noqa: E731
+            return (
+                jax.tree.map(pick, merged[0], parts[0]),
+                jax.tree.map(pick, parts[1], merged[1]),
+            )
+
+        parts = lax.fori_loop(0, m - 1, below, (call(a, a, True), call(b, b, True)))
+        return _set_rows(_set_rows(acc, a, parts[0]), b, parts[1])
 
     b, sq, h, d = q.shape
-    acc = (full((b, sq, h, d), 0.0, F32, vma), full((b, h, sq), -jnp.inf, F32, vma))
-    acc = lax.fori_loop(0, m, lambda i, acc: _set_rows(acc, i, call(i, i, True)), acc)
-    out, lse = lax.fori_loop(0, len(rows), below, acc)
-    return out.astype(q.dtype), lse
+    acc = (full((b, sq, h, d), 0.0, q.dtype, vma), full((b, h, sq), -jnp.inf, F32, vma))
+    return lax.fori_loop(0, m // 2, rows, acc)
 
 
 def _in_order_backward(q, k, v, out, lse, dout, qp, qsg, kp, ksg, spec: Spec, vma):
     """`_backward` for `_in_order_forward`'s schedule: the same calls, each with the global
-    output and log-sum-exp of its queries, summed in float32."""
+    output and log-sum-exp of its queries. Key pieces go two at a time (`_paired`: columns
+    ``m-1-r`` and ``r``, read from the right, ``m - 1`` pieces below the diagonal between
+    them), their dK, dV summed in float32 and stored in the input dtype; only dQ is carried
+    whole in float32 (as the general path's `_fold_by_keys`)."""
     _, bwd = _kernels(spec)
     (qp, qsg, kp, ksg), (q, k, v, out, dout) = _tied((qp, qsg, kp, ksg), (q, k, v, out, dout))
     m = _split_count(q.shape[1], k.shape[1])
@@ -809,21 +856,43 @@ def _in_order_backward(q, k, v, out, lse, dout, qp, qsg, kp, ksg, spec: Spec, vm
     if m == 1:
         return call(0, 0, True, q.dtype)
 
-    def add(grads, i, j, parts):
+    def columns(r, grads):
+        # Column c, read from the right (c' = m-1-c), has c' pieces below the diagonal: the
+        # columns m-1-r and r are `_paired`'s lines r and m-1-r.
+        a, b = m - 1 - r, r
         dq, dk, dv = grads
-        gq, gk, gv = parts
-        return _add_piece(dq, i, gq), _add_piece(dk, j, gk), _add_piece(dv, j, gv)
 
-    rows, cols = _below_diagonal(m)
-    zeros_kv = full(k.shape, 0.0, F32, vma)
+        def diagonal(dq, j):
+            gq, gk, gv = call(j, j, True)
+            return _add_piece(dq, j, gq), (gk, gv)
+
+        dq, kv_a = diagonal(dq, a)
+        dq, kv_b = diagonal(dq, b)
+
+        def below(n, carry):
+            dq, kv_a, kv_b = carry
+            first, line, along = _paired(r, n, m)
+            j = m - 1 - line  # the column
+            i = j + 1 + along  # the query piece: the column's pieces below the diagonal, in order
+            gq, gk, gv = call(i, j, False)
+            pick = lambda x, y: jnp.where(first, x, y)  # noqa: E731
+            kv_a = jax.tree.map(lambda x, g: pick(x + g, x), kv_a, (gk, gv))
+            kv_b = jax.tree.map(lambda x, g: pick(x, x + g), kv_b, (gk, gv))
+            return _add_piece(dq, i, gq), kv_a, kv_b
+
+        dq, kv_a, kv_b = lax.fori_loop(0, m - 1, below, (dq, kv_a, kv_b))
+
+        def store(x, j, g):
+            return lax.dynamic_update_slice_in_dim(x, g.astype(x.dtype), j * t, axis=1)
+
+        dk = store(store(dk, a, kv_a[0]), b, kv_b[0])
+        dv = store(store(dv, a, kv_a[1]), b, kv_b[1])
+        return dq, dk, dv
+
+    zeros_kv = full(k.shape, 0.0, k.dtype, vma)
     grads = (full(q.shape, 0.0, F32, vma), zeros_kv, zeros_kv)
-
-    def below(n, grads):
-        return add(grads, rows[n], cols[n], call(rows[n], cols[n], False))
-
-    grads = lax.fori_loop(0, m, lambda i, g: add(g, i, i, call(i, i, True)), grads)
-    dq, dk, dv = lax.fori_loop(0, len(rows), below, grads)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    dq, dk, dv = lax.fori_loop(0, m // 2, columns, grads)
+    return dq.astype(q.dtype), dk, dv
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(7, 8))

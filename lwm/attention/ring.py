@@ -42,6 +42,7 @@ def ring_attention_local(
     kernel: str = "xla",
     platform: str | None = None,
     layout: Layout = "contiguous",
+    in_order: bool = False,
 ) -> jax.Array:
     """Ring attention on local shards; call inside `jax.shard_map` with ``axis_name`` bound
     (``axis_name=None``: the whole sequence is local, i.e. blockwise attention).
@@ -52,7 +53,8 @@ def ring_attention_local(
     for any other order. With no positions and no segment ids (one document in ``layout``'s
     order) the cuDNN kernel knows every block pair's mask when tracing and decides nothing at
     run time. ``kernel``: the block kernel (`lwm.attention.blockwise.KERNELS`) on ``platform``
-    (default: JAX's backend).
+    (default: JAX's backend). ``in_order``: as for `lwm.attention.blockwise_attention` (used by
+    the cuDNN kernel where the whole sequence is on this device).
     """
     b, s_local = q.shape[0], q.shape[1]
     ring = axis_name is not None and lax.axis_size(axis_name) > 1
@@ -80,6 +82,7 @@ def ring_attention_local(
         kernel=kernel,
         platform=platform,
         order=order,
+        in_order=in_order,
     )
     return core_for(spec)(*args, spec, axis_name)
 
@@ -146,6 +149,7 @@ def ring_attention(
     precision: lax.Precision | None = None,
     kernel: str = "xla",
     layout: Layout = "contiguous",
+    in_order: bool = False,
 ) -> jax.Array:
     """Ring attention on global arrays: sequence over ``axis_name`` (None: not sharded, so
     plain blockwise attention on each batch/head shard), batch over ``batch_axes``,
@@ -154,7 +158,10 @@ def ring_attention(
     kernel, ``xla``, ``pallas`` (interpreted unless the mesh is of TPUs), ``cudnn`` (emulated
     unless it is of NVIDIA GPUs) or ``auto``. ``layout``: the token order when positions are
     not given, ``contiguous`` or ``zigzag`` over ``axis_name`` (`lwm.attention.layout`); one
-    document in a known order is the cuDNN kernel's fastest case (`ring_attention_local`)."""
+    document in a known order is the cuDNN kernel's fastest case (`ring_attention_local`).
+    ``in_order``: the caller knows that no query sees a key at a later index
+    (`lwm.attention.keys_precede_queries`); the cuDNN kernel then decides nothing at run time
+    where the sequence is not split (``axis_name`` None or of one device)."""
     check_qkv(q, k, v)
     platform = mesh.devices.flat[0].platform
     # An unknown kernel fails here, before tracing. Pallas's interpreter cannot yet evaluate
@@ -200,6 +207,7 @@ def ring_attention(
         kernel=kernel,
         platform=platform,
         layout=layout,
+        in_order=in_order,
     )
 
     def local(q, k, v, *rest):
