@@ -25,6 +25,7 @@ from lwm.attention import (
     default_positions,
     dense_attention,
     keys_precede_queries,
+    look_back,
     ring_attention,
 )
 from lwm.attention.layout import Layout, layout_permutation
@@ -81,6 +82,13 @@ def row_order(
     if "in_order" in orders and keys_precede_queries(positions, segment_ids, np):
         return "in_order"
     return "any"
+
+
+def row_reach(segment_ids: np.ndarray) -> int:
+    """How far back any query of rows in order looks, in tokens (`look_back` on the host),
+    rounded up to a power of two so that a run compiles few programs: what
+    ``hidden_states(rows="in_order", reach=...)`` may be told."""
+    return 1 << (int(look_back(segment_ids, segment_ids.shape[1], np)) - 1).bit_length()
 
 
 REMAT_POLICIES = {
@@ -225,10 +233,10 @@ class LWMModel(nnx.Module):
         be told ``rows="one_document"``."""
         return one_document_rows(positions, segment_ids, self.layout, self.sequence_shards)
 
-    def _attention(self, q, k, v, positions, segment_ids, in_order: bool = False):
+    def _attention(self, q, k, v, positions, segment_ids, in_order: bool = False, reach: int = 0):
         """Attention of one layer; ``positions`` and ``segment_ids`` None: every row is one
         document in `layout`'s order (``hidden_states(rows="one_document")``); ``in_order``:
-        no query sees a later key (``rows="in_order"``)."""
+        no query sees a later key, nor one more than ``reach`` tokens back (``rows="in_order"``)."""
         cfg = self.cfg
         kw = dict(
             q_positions=positions,
@@ -239,7 +247,11 @@ class LWMModel(nnx.Module):
         if cfg.attention == "dense":
             return dense_attention(q, k, v, **kw)
         blocks = dict(
-            block_q=cfg.block_q, block_k=cfg.block_k, kernel=cfg.attention_kernel, in_order=in_order
+            block_q=cfg.block_q,
+            block_k=cfg.block_k,
+            kernel=cfg.attention_kernel,
+            in_order=in_order,
+            reach=reach,
         )
         if cfg.attention == "ring" and self.mesh is not None:
             return ring_attention(q, k, v, mesh=self.mesh, layout=self.layout, **kw, **blocks)
@@ -393,13 +405,15 @@ class LWMModel(nnx.Module):
         window: jax.Array | None = None,
         *,
         rows: str = "any",
+        reach: int = 0,
     ) -> jax.Array:
         """Final normalised hidden states ``[batch, seq, hidden]`` in the compute dtype.
         ``cells``, ``window`` as for `embed` (needed when the streams are in a ring layout).
         ``rows``: what the caller knows of every row's order (`ROW_ORDERS`, checked by
         `row_order`). With ``one_document`` attention is told the layout's order instead of
         reading positions and segment ids; with ``in_order`` it is told that no query sees a
-        later key. The same result each time; with the cuDNN kernel, faster schedules.
+        later key, and with ``reach`` (`row_reach`) none more than that many tokens back. The
+        same result each time; with the cuDNN kernel, faster schedules.
         Positions still drive the rotary embeddings."""
         if rows not in ROW_ORDERS:
             raise ValueError(f"unknown row order '{rows}'; choose one of {', '.join(ROW_ORDERS)}")
@@ -410,7 +424,7 @@ class LWMModel(nnx.Module):
         in_order = rows == "in_order"
 
         def attend(q, k, v, _):
-            return self._attention(q, k, v, *masks, in_order=in_order), None
+            return self._attention(q, k, v, *masks, in_order=in_order, reach=reach), None
 
         x, _ = self.run_layers(self.embed(tokens, vision_mask, cells, window), positions, attend)
         return x

@@ -32,7 +32,7 @@ from lwm.base.mesh import MeshError, check_batch_fits
 from lwm.base.metrics import MetricsWriter
 from lwm.config import Config, config_to_yaml
 from lwm.info import flops_per_token, measure_peak_flops
-from lwm.model import row_order, row_permutation, sequence_layout
+from lwm.model import row_order, row_permutation, row_reach, sequence_layout
 from lwm.runs import (
     checkpoint_manager,
     restore_newest,
@@ -155,19 +155,20 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
         return TrainResult(step=start, stopped_by=None)
 
     # With cuDNN attention, what is known of the rows' order picks the schedule
-    # (`lwm.model.ROW_ORDERS`): each batch is checked here (`row_order`) and runs the step
-    # compiled for its order, so only the orders that occur are compiled. Many processes
+    # (`lwm.model.ROW_ORDERS`): each batch is checked here (`row_order`, and for rows in order
+    # `row_reach`) and runs the step compiled for that, so only what occurs is compiled. Many processes
     # would have to agree on it: there the step checks on the device instead (`train_step`).
     orders = row_orders(model_cfg, mesh)
     on_host = len(orders) > 1 and jax.process_count() == 1
     order_layout = sequence_layout(model_cfg, sp)
-    steps: dict[str | None, object] = {}
+    steps: dict[tuple[str | None, int], object] = {}
 
-    def step_for(rows: str | None):
-        if rows not in steps:
+    def step_for(rows: str | None, reach: int):
+        if (rows, reach) not in steps:
             if on_host:
-                log(f"rows {rows}: compiling the train step for them")
-            steps[rows] = jit_train_step(
+                within = f" within {reach} tokens" if reach else ""
+                log(f"rows {rows}{within}: compiling the train step for them")
+            steps[rows, reach] = jit_train_step(
                 graphdef,
                 tx,
                 mesh,
@@ -176,8 +177,9 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
                 weights=(tc.text_loss_weight, tc.vision_loss_weight),
                 grad_accum=tc.grad_accum,
                 rows=rows,
+                reach=reach,
             )
-        return steps[rows]
+        return steps[rows, reach]
 
     tokens_per_step = tc.batch_size * seq_len
     model_flops = flops_per_token(model_cfg, seq_len).train * tokens_per_step
@@ -269,11 +271,13 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
                 )
                 for k, v in local.items()
             }
-            rows = None
+            rows, reach = None, 0
             if on_host:
                 rows = row_order(local["positions"], local["segment_ids"], order_layout, sp, orders)
+                # how far back its queries look: in-order rows skip key pieces beyond that
+                reach = row_reach(local["segment_ids"]) if rows == "in_order" else 0
             waited = time.perf_counter() - t_data
-            params, opt_state, metrics = step_for(rows)(params, opt_state, batch)
+            params, opt_state, metrics = step_for(rows, reach)(params, opt_state, batch)
             pending.append((step, metrics, waited, rows))
             window["steps"] += 1
             check(step - 1)  # the previous step, so this one keeps running meanwhile

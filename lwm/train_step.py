@@ -104,9 +104,10 @@ def loss_fn(
     weights: tuple[float, float] = (0.5, 0.5),
     counts: tuple[jax.Array, jax.Array] | None = None,
     rows: str = "any",
+    reach: int = 0,
 ):
-    """The modality-balanced loss and its metrics; ``rows`` as for `LWMModel.hidden_states`
-    (the caller has checked it: `row_order`)."""
+    """The modality-balanced loss and its metrics; ``rows``, ``reach`` as for
+    `LWMModel.hidden_states` (the caller has checked them: `row_order`, `row_reach`)."""
     model: LWMModel = nnx.merge(graphdef, params)
     targets = _targets(batch)
     # Vision targets as columns of the vision logits (restricted by model.vision_codes).
@@ -124,7 +125,7 @@ def loss_fn(
         batch.get(WINDOW_FIELD),
     )
     heads = (weights[0] > 0, weights[1] > 0)  # a head whose loss weight is 0 is not computed
-    hidden = model.hidden_states(*inputs, rows=rows)
+    hidden = model.hidden_states(*inputs, rows=rows, reach=reach)
     cap = model.cfg.loss_positions
     dropped = None
     if heads[0] and 0 < cap < hidden.shape[1]:
@@ -177,7 +178,7 @@ def row_orders(cfg: ModelConfig, mesh: Mesh | None = None) -> tuple[str, ...]:
     return ("any", "in_order", "one_document") if whole else ("any", "one_document")
 
 
-def _grads_fn(params: nnx.State, graphdef: nnx.GraphDef, weights, rows: str | None):
+def _grads_fn(params: nnx.State, graphdef: nnx.GraphDef, weights, rows: str | None, reach: int = 0):
     """``batch, counts -> ((loss, metrics), grads)`` for rows of order ``rows``
     (`lwm.model.ROW_ORDERS`, checked by the caller on the host: one program per order). With
     ``rows=None`` the step checks on the device whether the batch's rows are each one document
@@ -188,7 +189,7 @@ def _grads_fn(params: nnx.State, graphdef: nnx.GraphDef, weights, rows: str | No
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def run(batch, counts, order):
-        return grad_fn(params, graphdef, batch, weights, counts, order)
+        return grad_fn(params, graphdef, batch, weights, counts, order, reach)
 
     model: LWMModel = nnx.merge(graphdef, params)
     if rows is None and "one_document" not in row_orders(model.cfg, model.mesh):
@@ -234,15 +235,17 @@ def train_step(
     grad_accum: int = 1,
     mesh: Mesh | None = None,
     rows: str | None = None,
+    reach: int = 0,
 ):
     """One optimizer step; returns new parameters, optimizer state and metrics (incl. grad norm).
 
     ``rows``: what the caller knows of the order of every row of the batch (`row_order`: one
-    program per order), or None for the device to check (`_grads_fn`). With ``grad_accum > 1`` the batch is split into micro-batches whose gradients are summed;
+    program per order), or None for the device to check (`_grads_fn`); ``reach``: for rows in
+    order, how far back any query looks (`row_reach`; 0: unknown). With ``grad_accum > 1`` the batch is split into micro-batches whose gradients are summed;
     each micro-batch loss is averaged over the whole batch's target counts, so the result
     equals one step on the whole batch (up to float summation order).
     """
-    grads_of = _grads_fn(params, graphdef, weights, rows)
+    grads_of = _grads_fn(params, graphdef, weights, rows, reach)
     if grad_accum == 1:
         (_, metrics), grads = grads_of(batch)
     else:
@@ -371,12 +374,13 @@ def jit_train_step(
     weights: tuple[float, float] = (0.5, 0.5),
     grad_accum: int = 1,
     rows: str | None = None,
+    reach: int = 0,
 ):
     """The jitted training step `lwm train` runs, and the one `scripts/aot_compile.py` and
     `scripts/bench_train.py` compile: parameters and optimizer state keep the shardings their
     leaves carry in ``params`` / ``opt_state`` (abstract ones from `abstract_train_state`),
-    the batch is sharded by `batch_sharding`, and both state buffers are donated. ``rows``:
-    the order of the batches' rows it is for (`train_step`)."""
+    the batch is sharded by `batch_sharding`, and both state buffers are donated. ``rows``,
+    ``reach``: what is known of the batches' rows it is for (`train_step`)."""
     param_shardings = jax.tree.map(lambda x: x.sharding, params)
     opt_shardings = jax.tree.map(lambda x: x.sharding, opt_state)
     return jax.jit(
@@ -390,6 +394,7 @@ def jit_train_step(
             grad_accum=grad_accum,
             mesh=mesh,
             rows=rows,
+            reach=reach,
         ),
         in_shardings=(param_shardings, opt_shardings, batch_sharding(mesh)),
         out_shardings=(param_shardings, opt_shardings, NamedSharding(mesh, P())),

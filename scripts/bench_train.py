@@ -46,7 +46,14 @@ from data.batches import SyntheticTokenLoader
 from lwm.base.mesh import MeshError, make_mesh, use_platform
 from lwm.config import ConfigError, load_config
 from lwm.info import flops_per_token, measure_peak_flops, param_counts
-from lwm.model import ROW_ORDERS, create_model, row_order, row_permutation, sequence_layout
+from lwm.model import (
+    ROW_ORDERS,
+    create_model,
+    row_order,
+    row_permutation,
+    row_reach,
+    sequence_layout,
+)
 from lwm.train_step import (
     abstract_train_state,
     batch_sharding,
@@ -143,17 +150,19 @@ def bench_one(
 
     def step_for(data):
         """The compiled step for ``data``'s rows; the seconds spent compiling it now."""
-        order = {"auto": None, "device": None}.get(rows, rows)
+        order, reach = {"auto": None, "device": None}.get(rows, rows), 0
         if rows == "auto":
             host = {k: np.asarray(data[k]) for k in ("positions", "segment_ids")}
             order = row_order(host["positions"], host["segment_ids"], order_layout, sp, orders)
-        if order in compiled_for:
-            return compiled_for[order], order, 0.0
+            reach = row_reach(host["segment_ids"]) if order == "in_order" else 0
+        key = f"{order}@{reach}" if reach else str(order)
+        if key in compiled_for:
+            return compiled_for[key], key, 0.0
         t0 = time.perf_counter()
-        step = jit_train_step(graphdef, tx, mesh, abs_params, abs_opt, rows=order)
+        step = jit_train_step(graphdef, tx, mesh, abs_params, abs_opt, rows=order, reach=reach)
         lowered = step.lower(abs_params, abs_opt, data)  # the state's buffers may be donated
-        compiled_for[order] = lowered.compile(compiler_options)
-        return compiled_for[order], order, time.perf_counter() - t0
+        compiled_for[key] = lowered.compile(compiler_options)
+        return compiled_for[key], key, time.perf_counter() - t0
 
     data = next_batch()
     compiled, first_order, compile_s = step_for(data)
@@ -183,8 +192,9 @@ def bench_one(
             jax.block_until_ready(m)
             times.append(time.perf_counter() - t0)
     dt = statistics.median(times)
-    # the rows' order each timed batch ran for (None: checked on the device)
-    extra = {"rows": rows, "row_orders": {str(o): taken.count(o) for o in dict.fromkeys(taken)}}
+    # the rows' order each timed batch ran for (None: checked on the device; ORDER@N: in order,
+    # no query looking back more than N tokens)
+    extra = {"rows": rows, "row_orders": {o: taken.count(o) for o in dict.fromkeys(taken)}}
     if "one_document" in m:  # checked on the device: 1 when it took the known-order schedule
         extra["one_document_schedule"] = float(m["one_document"])
     if dataset:
@@ -268,8 +278,9 @@ def main() -> int:
         "--rows",
         default="auto",
         help="the order of rows the step is compiled for, comma-separated to time several: "
-        "auto (each batch's own, as lwm train chooses), device (checked on the device, as "
-        f"with many processes) or one of {', '.join(ROW_ORDERS)}",
+        "auto (each batch's own and, in order, how far back its queries look, as lwm train "
+        "chooses), device (checked on the device, as with many processes) or one of "
+        f"{', '.join(ROW_ORDERS)}",
     )
     args = p.parse_args()
     if bad := [r for r in args.rows.split(",") if r not in ("auto", "device", *ROW_ORDERS)]:

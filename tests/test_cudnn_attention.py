@@ -24,6 +24,7 @@ from lwm.attention import (
     blockwise_attention,
     dense_attention,
     keys_precede_queries,
+    look_back,
     ring_attention,
 )
 from lwm.attention._common import attention_mask
@@ -297,6 +298,21 @@ def in_order_rows(rows: str, b: int, s: int) -> tuple[jax.Array, jax.Array]:
     return seg, document_positions(seg)
 
 
+def brute_look_back(pos, seg) -> int:
+    """`look_back` by its definition: the most, over queries, of its index less its first
+    visible key's, plus one."""
+    seen = np.asarray(
+        attention_mask(
+            jnp.asarray(pos)[None],
+            jnp.asarray(pos)[None],
+            jnp.asarray(seg)[None],
+            jnp.asarray(seg)[None],
+            True,
+        )
+    )[0]
+    return max(q - int(np.argmax(row)) + 1 for q, row in enumerate(seen) if row.any())  # fmt: skip
+
+
 def brute_keys_precede_queries(pos, seg) -> bool:
     """`keys_precede_queries` by its definition: nothing visible above the diagonal."""
     seen = np.asarray(attention_mask(jnp.asarray(pos), jnp.asarray(pos), seg, seg, True))
@@ -386,6 +402,54 @@ def test_in_order_is_a_hint_checked_on_the_device(small_pieces):
         assert_matches(ours, lambda q, k, v, kw=kw: dense_attention(q, k, v, **kw), *qkv(s=64))
 
 
+def short_documents(b: int, s: int) -> tuple[jax.Array, jax.Array]:
+    """Segment ids and positions: documents of 1 to 12 tokens packed in order, then padding
+    counting its own positions: no query looks back more than 12 tokens."""
+    seg, pos = [], []
+    for doc, n in enumerate([5, 9, 3, 12, 7, 1, 11, 6] * (s // 48 + 1), 1):
+        if len(seg) + n > s - 6:
+            break
+        seg, pos = seg + [doc] * n, pos + list(range(n))
+    pad = s - len(seg)
+    seg, pos = seg + [0] * pad, pos + list(range(pad))
+    return tuple(jnp.asarray(np.broadcast_to(np.asarray(x, np.int32), (b, s))) for x in (seg, pos))
+
+
+def scan_lengths(jaxpr) -> set[int]:
+    """The trip counts of every loop in ``jaxpr`` (nested ones included)."""
+    found = set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan":
+            found.add(eqn.params["length"])
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, list | tuple) else (param,):
+                if isinstance(sub, ClosedJaxpr | Jaxpr):
+                    found |= scan_lengths(getattr(sub, "jaxpr", sub))
+    return found
+
+
+def test_in_order_rows_within_reach_skip_the_pieces_out_of_it(small_pieces):
+    """Short documents at 128 tokens (16 pieces of 8 a side): told that no query looks back
+    more than 12 tokens (`look_back`), the in-order schedule runs each query piece against its
+    own and the 2 key pieces before it (loops of 16 and 2, not the paired schedule's 8 and 15)
+    and equals dense attention; told a reach the rows exceed (4), the check sends them to the
+    general schedule, still equal (its band, 1, is in the program); told none, the paired
+    schedule runs."""
+    s = 128
+    seg, pos = short_documents(2, s)
+    assert int(look_back(seg, s)) == 12 == look_back(np.asarray(seg), s, np)
+    kw = dict(q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg)
+    for reach, lengths in ((12, {16, 2}), (4, {16, 1}), (None, {8, 15})):
+
+        def ours(q, k, v, reach=reach):
+            return blockwise_attention(q, k, v, kernel="cudnn", in_order=True, reach=reach, **kw)
+
+        assert_matches(ours, lambda q, k, v: dense_attention(q, k, v, **kw), *qkv(s=s))
+        grad = jax.grad(lambda q, k, v, f=ours: jnp.sum(f(q, k, v)), argnums=(0, 1, 2))
+        found = scan_lengths(jax.make_jaxpr(grad)(*qkv(s=s)).jaxpr)
+        assert lengths <= found and not ({8, 15, 2, 1} - lengths) & found, (reach, found)
+
+
 def test_keys_precede_queries_says_yes_only_where_it_holds():
     """Yes to packed documents, isolated turns and padding that counts its own positions; no
     to a zigzag layout, padding all at position 0 (as the training loader writes it), a
@@ -428,6 +492,10 @@ def test_keys_precede_queries_says_yes_only_where_it_holds():
         assert keys_precede_queries(pos[None], seg[None], np) == yes  # on the host, the same
         if yes:
             assert brute_keys_precede_queries(pos[None], seg[None]), (seg, pos)
+            # no query's visible keys are further back than `look_back` says (host, device)
+            back = look_back(seg[None], len(seg), np)
+            assert back == int(look_back(jnp.asarray(seg)[None], len(seg)))
+            assert brute_look_back(pos, seg) <= back, (seg, pos, back)
         said_yes += yes
     assert 20 <= said_yes < 150, said_yes
 
@@ -593,7 +661,9 @@ def test_gpu_cudnn_kernels_follow_their_stand_in():
             assert rel < 3e-2, rel
 
 
-@pytest.mark.parametrize("docs", ["one", "one-positions", "long", "packed", "packed-in-order"])
+@pytest.mark.parametrize(
+    "docs", ["one", "one-positions", "long", "packed", "packed-in-order", "short-in-order"]
+)
 def test_blockwise_cudnn_bfloat16_with_the_stand_in_within_twice_dense(monkeypatch, docs):
     """`within_twice_dense_bfloat16` on the CPU, with cuDNN's dense stand-in: what the path
     adds around the kernels in bf16 (outputs and dK, dV of a general pair stored in bf16 piece
@@ -602,7 +672,9 @@ def test_blockwise_cudnn_bfloat16_with_the_stand_in_within_twice_dense(monkeypat
 
 
 @gpu
-@pytest.mark.parametrize("docs", ["one", "one-positions", "long", "packed", "packed-in-order"])
+@pytest.mark.parametrize(
+    "docs", ["one", "one-positions", "long", "packed", "packed-in-order", "short-in-order"]
+)
 def test_gpu_blockwise_cudnn_within_twice_dense_bfloat16(monkeypatch, docs):
     """`within_twice_dense_bfloat16` with cuDNN's own kernels."""
     within_twice_dense_bfloat16(monkeypatch, docs)
@@ -613,7 +685,8 @@ def within_twice_dense_bfloat16(monkeypatch, docs: str) -> None:
     against float32 dense attention is at most twice that of dense attention computed in bf16,
     forward and gradients. ``one``: no positions (the schedule known when tracing);
     ``one-positions``: the same positions given (each pair's kind decided at run time);
-    ``packed-in-order``: packed documents told ``in_order`` (the masked pieces' schedule)."""
+    ``packed-in-order``: packed documents told ``in_order`` (the masked pieces' schedule);
+    ``short-in-order``: short documents told that too and their reach (each piece's band)."""
     monkeypatch.setattr(cudnn, "PIECE", 256)
     s = 1024
     q32, k32, v32 = qkv(b=2, s=s, h=8, kvh=2, d=64)
@@ -621,14 +694,19 @@ def within_twice_dense_bfloat16(monkeypatch, docs: str) -> None:
     if docs == "one-positions":
         pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (2, s))
         kw = dict(q_positions=pos, kv_positions=pos)
+    elif docs == "short-in-order":
+        seg, pos = short_documents(2, s)
+        kw = dict(q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg)
+        kw |= dict(reach=int(look_back(seg, s)))
     elif docs != "one":
         seg = long_documents(2, s, 700) if docs == "long" else packed_segments(2, s)
         pos = document_positions(seg)
         kw = dict(q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg)
     bf = [x.astype(jnp.bfloat16) for x in (q32, k32, v32)]
-    ref, ref_g = value_and_grads(lambda q, k, v: dense_attention(q, k, v, **kw), q32, k32, v32)
-    dense, dense_g = value_and_grads(lambda q, k, v: dense_attention(q, k, v, **kw), *bf)
-    in_order = docs == "packed-in-order"
+    masks = {key: x for key, x in kw.items() if key != "reach"}
+    ref, ref_g = value_and_grads(lambda q, k, v: dense_attention(q, k, v, **masks), q32, k32, v32)
+    dense, dense_g = value_and_grads(lambda q, k, v: dense_attention(q, k, v, **masks), *bf)
+    in_order = docs.endswith("in-order")
     ours, ours_g = value_and_grads(
         lambda q, k, v: blockwise_attention(q, k, v, kernel="cudnn", in_order=in_order, **kw), *bf
     )

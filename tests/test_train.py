@@ -166,7 +166,8 @@ def test_each_batch_runs_the_step_compiled_for_its_rows(tmp_path, monkeypatch):
     assert sorted(got) == [1, 2, 3, 4]
     for step in got:
         assert got[step] == pytest.approx(ref[step], rel=1e-5), step
-    assert err.count("rows in_order: compiling") == 1, err
+    # in order: one step per reach (`row_reach`) the batches have, here one
+    assert err.count("rows in_order within 32 tokens: compiling") == 1, err
     assert err.count("rows one_document: compiling") == 1, err
     assert "rows any" not in err and "rows " not in runs["xla"][1]
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]

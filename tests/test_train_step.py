@@ -372,28 +372,31 @@ def _padded_packed_batch(seq: int) -> dict:
 
 def test_in_order_schedule_gives_the_same_loss_and_gradients(monkeypatch):
     """Packed, padded rows (as the loader writes them) are in order on the host
-    (`row_order`), and with cuDNN attention (its stand-in, pieces of 8 tokens so that the rows
-    are cut into 8 a side) told so (`loss_fn(rows="in_order")`: no conditional) the loss and
-    gradients equal those of the general schedule and of the XLA kernel, and the in-order
-    schedule runs; with the padding all at one position the rows are not in order. One-document rows are ``one_document``."""
+    (`row_order`), no query looking back more than 32 tokens (`row_reach`); with cuDNN
+    attention (its stand-in, pieces of 8 tokens: 16 a side) told so (`loss_fn(rows="in_order",
+    reach=...)`: the in-order schedule, over each piece's band of 4 key pieces with the reach,
+    over all of them without) the loss and gradients equal those of the general schedule and
+    of the XLA kernel. With the padding all at one position the rows are not in order;
+    one-document rows are ``one_document``."""
     import jax.numpy as jnp
-    from test_cudnn_attention import top_level_conds
+    from test_cudnn_attention import scan_lengths, top_level_conds
 
     import lwm.attention.cudnn as cudnn
-    from lwm.model import row_order
+    from lwm.model import row_order, row_reach
     from lwm.train_step import loss_fn
 
     monkeypatch.setattr(cudnn, "PIECE", 8)
     mesh = make_mesh("1,2,4,1")  # blockwise: each device attends over the whole sequence
-    batch = _padded_packed_batch(64)
+    batch = _padded_packed_batch(128)
     assert row_order(batch["positions"], batch["segment_ids"], "contiguous", 1) == "in_order"
+    assert row_reach(batch["segment_ids"]) == 32
     flat = np.where(batch["segment_ids"] == 0, 0, batch["positions"])
     assert row_order(flat, batch["segment_ids"], "contiguous", 1) == "any"
-    one = _one_document(batch, np.arange(64))
+    one = _one_document(batch, np.arange(128))
     assert row_order(one["positions"], one["segment_ids"], "contiguous", 1) == "one_document"
     assert row_order(one["positions"], one["segment_ids"], "contiguous", 1, ("any",)) == "any"
 
-    def grads(kernel, rows):
+    def grads(kernel, rows, reach=0):
         cfg = load_config("configs/debug.yaml").model.model_copy(
             update={
                 "attention": "blockwise",
@@ -403,22 +406,26 @@ def test_in_order_schedule_gives_the_same_loss_and_gradients(monkeypatch):
             }
         )
         graphdef, params = nnx.split(create_model(cfg, mesh=mesh), nnx.Param)
-        fn = jax.value_and_grad(lambda p, b: loss_fn(p, graphdef, b, rows=rows), has_aux=True)
+        fn = jax.value_and_grad(
+            lambda p, b: loss_fn(p, graphdef, b, rows=rows, reach=reach), has_aux=True
+        )
         (loss, _), g = jax.jit(fn)(params, batch)
+        jaxpr = jax.make_jaxpr(fn)(params, batch).jaxpr
         # the in-order schedule's one check per call: a conditional of two branches, one of
         # them (the schedule) without any (`test_in_order_rows_decide_once_per_call`)
-        checks = top_level_conds(jax.make_jaxpr(fn)(params, batch).jaxpr)
-        checks = [c for c in checks if len(c) == 2 and min(c) == 0]
-        return float(loss), jax.tree.leaves(g), len(checks)
+        checks = [c for c in top_level_conds(jaxpr) if len(c) == 2 and min(c) == 0]
+        return float(loss), jax.tree.leaves(g), len(checks), scan_lengths(jaxpr)
 
-    ref_loss, ref, _ = grads("xla", "any")
-    for rows in ("any", "in_order"):
-        loss, got, checks = grads("cudnn", rows)
+    ref_loss, ref, _, _ = grads("xla", "any")
+    for rows, reach in (("any", 0), ("in_order", 0), ("in_order", 32)):
+        loss, got, checks, loops = grads("cudnn", rows, reach)
         assert (checks > 0) == (rows == "in_order"), (rows, checks)
+        if rows == "in_order":  # the band's loops, or the paired schedule's
+            assert (4 in loops, 15 in loops) == ((True, False) if reach else (False, True))
         assert abs(loss - ref_loss) <= 1e-6 * abs(ref_loss), rows
         for a, b in zip(ref, got, strict=True):
             err = float(jnp.max(jnp.abs(a - b)))
-            assert err <= 1e-5 * (float(jnp.max(jnp.abs(a))) + 1e-12), (rows, err)
+            assert err <= 1e-5 * (float(jnp.max(jnp.abs(a))) + 1e-12), (rows, reach, err)
 
 
 def test_row_orders_follow_the_kernel_and_the_mesh(monkeypatch):

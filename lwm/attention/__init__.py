@@ -2,7 +2,7 @@
 (one new token against a cache sharded over the ring), and the zigzag layout that balances the
 causal ring's work."""
 
-from lwm.attention._common import default_positions, keys_precede_queries
+from lwm.attention._common import default_positions, keys_precede_queries, look_back
 from lwm.attention.blockwise import attention_flops, blockwise_attention
 from lwm.attention.decode import ring_decode_attention
 from lwm.attention.dense import dense_attention
@@ -16,6 +16,7 @@ __all__ = [
     "dense_attention",
     "inverse_permutation",
     "keys_precede_queries",
+    "look_back",
     "ring_attention",
     "ring_attention_local",
     "ring_decode_attention",

@@ -111,6 +111,30 @@ def keys_precede_queries(positions, segment_ids, xp=jnp):
     return jnp.all(jax.vmap(row)(positions, segment_ids))
 
 
+def look_back(segment_ids, length: int, xp=jnp):
+    """How far back, in tokens and counting itself, any query's visible keys can be in rows
+    where `keys_precede_queries` holds: the most, over queries, of its index less the first
+    index of its document (`data.batches.segment_documents`: a turn sees its document's turn 0,
+    which comes first) plus one; ``length`` where there are no segment ids. An upper bound:
+    its first key need not be visible. Traced (``xp=jnp``) or on the host (``xp=np``)."""
+    if segment_ids is None:
+        return length
+
+    def row(seg):
+        index = xp.arange(seg.shape[0])
+        doc = segment_documents(seg, xp)
+        order = xp.lexsort((index, doc))  # by document, then index
+        d = doc[order]
+        start = xp.concatenate([xp.ones(1, bool), d[1:] != d[:-1]])
+        where = xp.where(start, index, 0)
+        first = np.maximum.accumulate(where) if xp is np else jax.lax.cummax(where)
+        return xp.max(order - order[first]) + 1
+
+    if xp is np:
+        return int(max(row(s) for s in segment_ids))
+    return jnp.max(jax.vmap(row)(segment_ids))
+
+
 DEAD, PARTIAL, FULL = 0, 1, 2
 
 

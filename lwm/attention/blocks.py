@@ -74,6 +74,10 @@ class Spec(NamedTuple):
     # Only the cuDNN kernel reads it, on one device: it checks it once per call and, where it
     # holds, schedules every call when tracing.
     in_order: bool = False
+    # With ``in_order``: no query looks back more than this many tokens, itself included
+    # (`lwm.attention.look_back`; 0: unknown). The cuDNN kernel then skips the key pieces out
+    # of reach (checked with the order).
+    reach: int = 0
 
 
 def _pad(x: jax.Array | None, axis: int, size: int, value) -> jax.Array | None:

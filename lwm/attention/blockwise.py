@@ -207,11 +207,12 @@ def prepare_inputs(
     platform=None,
     order=None,
     in_order=False,
+    reach=0,
 ):
     """Validate, fill defaults, and make the static `Spec` (for local shards under ring
     attention: lengths are what one kernel call sees). ``order``: `Spec.order`, the layout of
-    one document when the caller gave no positions and no segment ids; ``in_order``:
-    `Spec.in_order`."""
+    one document when the caller gave no positions and no segment ids; ``in_order``,
+    ``reach``: `Spec.in_order`, `Spec.reach`."""
     kernel, interpret = resolve_kernel(kernel, platform)
     check_qkv(q, k, v)
     kernel = kernel_for_inputs(kernel, interpret, q, k)
@@ -237,6 +238,7 @@ def prepare_inputs(
         interpret=interpret,
         order=order,
         in_order=bool(in_order),
+        reach=int(reach or 0),
     )
     args = (
         q,
@@ -266,6 +268,7 @@ def blockwise_attention(
     precision: lax.Precision | None = None,
     kernel: str = "xla",
     in_order: bool = False,
+    reach: int | None = None,
 ) -> jax.Array:
     """Memory-efficient attention on one device; same semantics as `dense_attention`.
 
@@ -274,7 +277,9 @@ def blockwise_attention(
     (emulated off a GPU) or ``auto``. ``in_order``: the caller expects that no query sees a
     key at a later index (`keys_precede_queries`: documents packed one after another, each in
     order); the cuDNN kernel then checks it once per call and, where it holds, decides nothing
-    else at run time (the result is the same either way).
+    else at run time (the result is the same either way); ``reach``: with it, that no query
+    looks back more than this many tokens, itself included (`look_back`), so that key pieces
+    out of reach are skipped (also checked).
     """
     given = (q_positions, kv_positions, q_segment_ids, kv_segment_ids)
     args, spec = prepare_inputs(
@@ -293,6 +298,7 @@ def blockwise_attention(
         kernel=kernel,
         order=one_document_order("contiguous", q, k, *given),
         in_order=in_order,
+        reach=reach,
     )
     return core_for(spec)(*args, spec, None)
 

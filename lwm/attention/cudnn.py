@@ -65,6 +65,7 @@ from lwm.attention._common import (
     block_kind,
     full,
     keys_precede_queries,
+    look_back,
     make_varying,
     union_vma,
 )
@@ -557,7 +558,7 @@ def _forward(q, k, v, qp, kp, qsg, ksg, spec: Spec, axis_name):
         def in_order(q, k, v, qp, qsg, kp, ksg):
             return _in_order_forward(q, k, v, qp, qsg, kp, ksg, spec, vma)
 
-        return _if_in_order(in_order, general, q, k, v, qp, qsg, kp, ksg)
+        return _if_in_order(in_order, general, spec.reach, q, k, v, qp, qsg, kp, ksg)
     n = axis_size(axis_name)
     m = _num_pieces(axis_name, q.shape[1], k.shape[1])
     if n == 1 and m == 1:  # one pair is the whole attention: no float32 accumulator
@@ -597,7 +598,7 @@ def _backward(res, dout, spec: Spec, axis_name):
         def in_order(*operands):
             return _in_order_backward(*operands, spec, vma)
 
-        return _if_in_order(in_order, general, *operands)
+        return _if_in_order(in_order, general, spec.reach, *operands)
     n = axis_size(axis_name)
     m = _num_pieces(axis_name, q.shape[1], k.shape[1])
     if n == 1 and m == 1:
@@ -765,17 +766,34 @@ def _in_order(spec: Spec, axis_name: str | None, q_len: int, kv_len: int) -> boo
     return spec.in_order and spec.causal and axis_size(axis_name) == 1 and q_len == kv_len
 
 
-def _if_in_order(in_order, general, *operands):
+def _if_in_order(in_order, general, reach: int, *operands):
     """``in_order(*operands)`` where the rows are in order (`keys_precede_queries`, checked
     on the device: queries and keys the same tokens, every visible key at or before its
-    query), else ``general(*operands)``; ``operands`` end with (qp, qsg, kp, ksg). One
-    conditional per call: so ``in_order`` is a hint, never wrong, and the schedule plans the
+    query, and with ``reach`` none looking back further: `look_back`), else
+    ``general(*operands)``; ``operands`` end with (qp, qsg, kp, ksg). One conditional per
+    call: so ``in_order`` and ``reach`` are hints, never wrong, and the schedule plans the
     memory of the general one (unconditioned, XLA's CPU scheduler planned it 17% more for the
     1.14B model at 128K: docs/benchmarks.md)."""
     qp, qsg, kp, ksg = operands[-4:]
     same = jnp.all(qp == kp) & (True if qsg is None else jnp.all(qsg == ksg))
-    ok, operands = _tied(same & keys_precede_queries(qp, qsg), operands)
+    ok = same & keys_precede_queries(qp, qsg)
+    if reach:  # and no query looks back further
+        ok = ok & (look_back(qsg, qp.shape[1]) <= reach)
+    ok, operands = _tied(ok, operands)
     return lax.cond(ok, in_order, general, *operands)
+
+
+def _band(reach: int, t: int, m: int) -> int | None:
+    """How many pieces (``t`` tokens each, ``m`` a side) below the diagonal a piece's queries
+    can see when no query looks back more than ``reach`` tokens (itself included; 0: unknown):
+    key piece ``j`` can hold a key of a query in piece ``i > j`` only if ``(i-j-1)*t + 1 <
+    reach``. None where the band saves nothing: a loop over each row's ``band`` pieces computes
+    ``m * band`` of them (the first rows' missing ones too, discarded), the paired schedule all
+    ``m*(m-1)/2``."""
+    if reach <= 0:
+        return None
+    band = 0 if reach < 2 else 1 + (reach - 2) // t
+    return band if 2 * band < m - 1 else None
 
 
 def _paired(r, n, m: int):
@@ -799,7 +817,9 @@ def _in_order_forward(q, k, v, qp, qsg, kp, ksg, spec: Spec, vma):
     the diagonal one call with the bias. Query pieces go two at a time (`_paired`: rows ``r``
     and ``m-1-r``, ``m - 1`` pieces below the diagonal between them), each summed in float32
     and stored in the input dtype: no float32 output the size of the row. Pieces that see
-    nothing are computed anyway: the calls do the work of one causal call over the row."""
+    nothing are computed anyway: the calls do the work of one causal call over the row;
+    unless ``spec.reach`` (no query looks back further) bounds the key pieces a query piece
+    can see to a band of the last few (`_band`): then each row's band only."""
     fwd, _ = _kernels(spec)
     (qp, qsg, kp, ksg), (q, k, v) = _tied((qp, qsg, kp, ksg), (q, k, v))
     m = _split_count(q.shape[1], k.shape[1])
@@ -813,6 +833,20 @@ def _in_order_forward(q, k, v, qp, qsg, kp, ksg, spec: Spec, vma):
 
     if m == 1:
         return call(0, 0, True, q.dtype)
+    b, sq, h, d = q.shape
+    acc = (full((b, sq, h, d), 0.0, q.dtype, vma), full((b, h, sq), -jnp.inf, F32, vma))
+    band = _band(spec.reach, t, m)
+    if band is not None:  # each query piece and the `band` key pieces before it
+
+        def row(i, acc):
+            def below(n, part):
+                j = i - 1 - n
+                merged = _merge(*part, *call(i, jnp.maximum(j, 0), False))
+                return jax.tree.map(lambda x, y: jnp.where(j >= 0, x, y), merged, part)
+
+            return _set_rows(acc, i, lax.fori_loop(0, band, below, call(i, i, True)))
+
+        return lax.fori_loop(0, m, row, acc)
 
     def rows(r, acc):
         a, b = r, m - 1 - r
@@ -830,8 +864,6 @@ def _in_order_forward(q, k, v, qp, qsg, kp, ksg, spec: Spec, vma):
         parts = lax.fori_loop(0, m - 1, below, (call(a, a, True), call(b, b, True)))
         return _set_rows(_set_rows(acc, a, parts[0]), b, parts[1])
 
-    b, sq, h, d = q.shape
-    acc = (full((b, sq, h, d), 0.0, q.dtype, vma), full((b, h, sq), -jnp.inf, F32, vma))
     return lax.fori_loop(0, m // 2, rows, acc)
 
 
@@ -855,6 +887,33 @@ def _in_order_backward(q, k, v, out, lse, dout, qp, qsg, kp, ksg, spec: Spec, vm
 
     if m == 1:
         return call(0, 0, True, q.dtype)
+
+    def store(x, j, g):
+        return lax.dynamic_update_slice_in_dim(x, g.astype(x.dtype), j * t, axis=1)
+
+    zeros_kv = full(k.shape, 0.0, k.dtype, vma)
+    grads = (full(q.shape, 0.0, F32, vma), zeros_kv, zeros_kv)
+    band = _band(spec.reach, t, m)
+    if band is not None:  # each key piece and the `band` query pieces after it
+
+        def column(j, grads):
+            dq, dk, dv = grads
+            gq, gk, gv = call(j, j, True)
+
+            def below(n, carry):
+                dq, kv = carry
+                i = j + 1 + n
+                live = i < m
+                gq, gk, gv = call(jnp.minimum(i, m - 1), j, False)
+                keep = lambda g: jnp.where(live, g, 0.0)  # noqa: E731
+                dq = _add_piece(dq, jnp.minimum(i, m - 1), keep(gq))
+                return dq, (kv[0] + keep(gk), kv[1] + keep(gv))
+
+            dq, kv = lax.fori_loop(0, band, below, (_add_piece(dq, j, gq), (gk, gv)))
+            return dq, store(dk, j, kv[0]), store(dv, j, kv[1])
+
+        dq, dk, dv = lax.fori_loop(0, m, column, grads)
+        return dq.astype(q.dtype), dk, dv
 
     def columns(r, grads):
         # Column c, read from the right (c' = m-1-c), has c' pieces below the diagonal: the
@@ -881,16 +940,10 @@ def _in_order_backward(q, k, v, out, lse, dout, qp, qsg, kp, ksg, spec: Spec, vm
             return _add_piece(dq, i, gq), kv_a, kv_b
 
         dq, kv_a, kv_b = lax.fori_loop(0, m - 1, below, (dq, kv_a, kv_b))
-
-        def store(x, j, g):
-            return lax.dynamic_update_slice_in_dim(x, g.astype(x.dtype), j * t, axis=1)
-
         dk = store(store(dk, a, kv_a[0]), b, kv_b[0])
         dv = store(store(dv, a, kv_a[1]), b, kv_b[1])
         return dq, dk, dv
 
-    zeros_kv = full(k.shape, 0.0, k.dtype, vma)
-    grads = (full(q.shape, 0.0, F32, vma), zeros_kv, zeros_kv)
     dq, dk, dv = lax.fori_loop(0, m // 2, columns, grads)
     return dq.astype(q.dtype), dk, dv
 

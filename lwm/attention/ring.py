@@ -43,6 +43,7 @@ def ring_attention_local(
     platform: str | None = None,
     layout: Layout = "contiguous",
     in_order: bool = False,
+    reach: int | None = None,
 ) -> jax.Array:
     """Ring attention on local shards; call inside `jax.shard_map` with ``axis_name`` bound
     (``axis_name=None``: the whole sequence is local, i.e. blockwise attention).
@@ -53,7 +54,7 @@ def ring_attention_local(
     for any other order. With no positions and no segment ids (one document in ``layout``'s
     order) the cuDNN kernel knows every block pair's mask when tracing and decides nothing at
     run time. ``kernel``: the block kernel (`lwm.attention.blockwise.KERNELS`) on ``platform``
-    (default: JAX's backend). ``in_order``: as for `lwm.attention.blockwise_attention` (used by
+    (default: JAX's backend). ``in_order``, ``reach``: as for `lwm.attention.blockwise_attention` (used by
     the cuDNN kernel where the whole sequence is on this device).
     """
     b, s_local = q.shape[0], q.shape[1]
@@ -83,6 +84,7 @@ def ring_attention_local(
         platform=platform,
         order=order,
         in_order=in_order,
+        reach=reach,
     )
     return core_for(spec)(*args, spec, axis_name)
 
@@ -150,6 +152,7 @@ def ring_attention(
     kernel: str = "xla",
     layout: Layout = "contiguous",
     in_order: bool = False,
+    reach: int | None = None,
 ) -> jax.Array:
     """Ring attention on global arrays: sequence over ``axis_name`` (None: not sharded, so
     plain blockwise attention on each batch/head shard), batch over ``batch_axes``,
@@ -160,8 +163,9 @@ def ring_attention(
     not given, ``contiguous`` or ``zigzag`` over ``axis_name`` (`lwm.attention.layout`); one
     document in a known order is the cuDNN kernel's fastest case (`ring_attention_local`).
     ``in_order``: the caller knows that no query sees a key at a later index
-    (`lwm.attention.keys_precede_queries`); the cuDNN kernel then decides nothing at run time
-    where the sequence is not split (``axis_name`` None or of one device)."""
+    (`lwm.attention.keys_precede_queries`), and ``reach`` how far back at most; the cuDNN
+    kernel then checks that once per call and decides nothing else at run time where the
+    sequence is not split (``axis_name`` None or of one device)."""
     check_qkv(q, k, v)
     platform = mesh.devices.flat[0].platform
     # An unknown kernel fails here, before tracing. Pallas's interpreter cannot yet evaluate
@@ -208,6 +212,7 @@ def ring_attention(
         platform=platform,
         layout=layout,
         in_order=in_order,
+        reach=reach,
     )
 
     def local(q, k, v, *rest):
