@@ -164,13 +164,17 @@ packed)  # one call of about 8 minutes (timeout_s 590): packed rows in the train
     # general one (a conditional per piece and layer), the latter with XLA's command buffers
     # (CUDA graphs) taking the conditionals, one document per row beside them, and attention
     # alone (the packed probe: general, in order, cuDNN's own packed layout)
-    step bench_train_packed 240 python3 scripts/bench_train.py --platform gpu \
-        --sizes 7b-4l --seqs 8192,32768 --attention blockwise --kernels cudnn --repeats 3 \
+    step bench_train_packed 90 python3 scripts/bench_train.py --platform gpu \
+        --sizes 7b-4l --seqs 8192 --attention blockwise --kernels cudnn --repeats 3 \
         --rows auto,any
-    step bench_train_packed_graphs 120 python3 scripts/bench_train.py --platform gpu \
+    # 32K: in order within a band of one piece (auto), in order over all pieces, general
+    step bench_train_packed_32k 180 python3 scripts/bench_train.py --platform gpu \
+        --sizes 7b-4l --seqs 32768 --attention blockwise --kernels cudnn --repeats 2 \
+        --rows auto,in_order,any
+    step bench_train_packed_graphs 100 python3 scripts/bench_train.py --platform gpu \
         --sizes 7b-4l --seqs 8192 --attention blockwise --kernels cudnn --repeats 3 --rows any \
         --compiler-options '{"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE", "xla_gpu_graph_min_graph_size": 1}'
-    step bench_train_one_document 90 python3 scripts/bench_train.py --platform gpu \
+    step bench_train_one_document 80 python3 scripts/bench_train.py --platform gpu \
         --sizes 7b-4l --seqs 8192 --attention blockwise --kernels cudnn --repeats 3 --one-document
     step packed_8k_3docs 45 python3 scripts/probe_cudnn_packed.py --platform gpu --docs 3
     step packed_32k_16docs 45 python3 scripts/probe_cudnn_packed.py --platform gpu \
