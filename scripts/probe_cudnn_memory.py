@@ -17,8 +17,10 @@ in order, the schedule that decides nothing at run time), ``-in-order`` (positio
 layers, bf16 compute, float32 parameters and AdamW, remat ``nothing_saveable``, batch 1, as
 `scripts/bench_train.py --sizes 7b-4l` compiles it): ``step`` (as many processes compile it:
 the known-order schedule or the general one, chosen per step by one `lax.cond`), ``step-doc``,
-``step-general`` and ``step-in-order`` (the step compiled for rows of one order, as one process
-of `lwm train` compiles one per order that occurs: `lwm.model.ROW_ORDERS`); ``KEY=VALUE``
+``step-general``, ``step-in-order`` and ``step-in-order-band`` (the step compiled for rows of
+one order, as one process of `lwm train` compiles one per order that occurs:
+`lwm.model.ROW_ORDERS`; the last for rows in order whose queries look back at most 4,096 tokens,
+each piece's band of key pieces); ``KEY=VALUE``
 overrides apply to these. One JSON line each.
 """
 
@@ -145,12 +147,14 @@ def attention_compiled(case: str, args: argparse.Namespace):
     return jax.jit(jax.grad(loss)).lower(w, x, pos).compile()
 
 
-# the train-step cases: the `rows` each compiles the step for (`lwm.train_step.train_step`)
+# the train-step cases: the `rows` and `reach` each compiles the step for
+# (`lwm.train_step.train_step`); the band: no query looking back more than one piece
 STEP_ROWS = {
-    "step": None,
-    "step-doc": "one_document",
-    "step-general": "any",
-    "step-in-order": "in_order",
+    "step": (None, 0),
+    "step-doc": ("one_document", 0),
+    "step-general": ("any", 0),
+    "step-in-order": ("in_order", 0),
+    "step-in-order-band": ("in_order", 4096),
 }
 
 
@@ -179,8 +183,8 @@ def step_compiled(case: str, args: argparse.Namespace):
     tx, _ = ts.make_optimizer(1e-4)
     graphdef, params, opt_state = ts.abstract_train_state(cfg, mesh, tx)
     batch = ts.abstract_batch(mesh, 1, args.seq)
-    rows = STEP_ROWS[case]
-    step = ts.jit_train_step(graphdef, tx, mesh, params, opt_state, rows=rows)
+    rows, reach = STEP_ROWS[case]
+    step = ts.jit_train_step(graphdef, tx, mesh, params, opt_state, rows=rows, reach=reach)
     return step.lower(params, opt_state, batch).compile()
 
 

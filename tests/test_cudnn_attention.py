@@ -470,6 +470,7 @@ def test_keys_precede_queries_says_yes_only_where_it_holds():
 
     rng = np.random.default_rng(0)
     said_yes = 0
+    precede, back_of = jax.jit(keys_precede_queries), jax.jit(look_back, static_argnums=1)
     for _ in range(150):
         seg, pos = [], []
         for doc in range(1, rng.integers(3, 6)):  # two to four documents
@@ -480,7 +481,7 @@ def test_keys_precede_queries_says_yes_only_where_it_holds():
                 ids = turn_segment_ids(doc, turn) if turns else doc
                 seg += [int(ids)] * n
                 pos += list(range(0 if turn == 0 else video, (0 if turn == 0 else video) + n))
-        pad = int(rng.integers(0, 4))
+        pad = 64 - len(seg)  # one length: each jitted check compiles once
         seg, pos = np.asarray(seg + [0] * pad), np.asarray(pos + list(range(pad)))
         if rng.random() < 0.5:
             i, j = rng.choice(len(seg), 2, replace=False)
@@ -488,13 +489,13 @@ def test_keys_precede_queries_says_yes_only_where_it_holds():
         if rng.random() < 0.3:
             i = rng.integers(1, len(seg))
             pos[i] = pos[i - 1]
-        yes = bool(keys_precede_queries(jnp.asarray(pos)[None], jnp.asarray(seg)[None]))
+        yes = bool(precede(jnp.asarray(pos)[None], jnp.asarray(seg)[None]))
         assert keys_precede_queries(pos[None], seg[None], np) == yes  # on the host, the same
         if yes:
             assert brute_keys_precede_queries(pos[None], seg[None]), (seg, pos)
             # no query's visible keys are further back than `look_back` says (host, device)
             back = look_back(seg[None], len(seg), np)
-            assert back == int(look_back(jnp.asarray(seg)[None], len(seg)))
+            assert back == int(back_of(jnp.asarray(seg)[None], len(seg)))
             assert brute_look_back(pos, seg) <= back, (seg, pos, back)
         said_yes += yes
     assert 20 <= said_yes < 150, said_yes
