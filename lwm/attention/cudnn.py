@@ -31,7 +31,7 @@ one document in a contiguous or zigzag order), every call is scheduled when trac
 every key a query sees comes before it (``in_order``: documents packed one after another), one
 thing is decided per call, whether that holds (`_if_in_order`), and then every call is
 scheduled when tracing (`_in_order_forward`), at the price of computing every piece below the
-diagonal.
+diagonal, or, told how far back any query looks (``reach``), each piece's band of them.
 
 Backward: JAX's own cuDNN rule is for one call; it drops the log-sum-exp's cotangent, so autodiff
 through the combine would be wrong. This module has its own VJP (as ring-flash-attention does
