@@ -358,11 +358,7 @@ def _pair_fwd(q, k, v, qp, qsg, kp, ksg, spec: Spec, vma, split: bool = True, dt
 def _set_rows(acc, i, part):
     """``acc`` = (output ``[b, t, h, d]``, log-sum-exp ``[b, h, t]``) with query piece ``i``
     replaced by ``part`` (the same of the piece's queries; output cast to ``acc``'s dtype)."""
-    t = part[0].shape[1]
-    return (
-        lax.dynamic_update_slice_in_dim(acc[0], part[0].astype(acc[0].dtype), i * t, axis=1),
-        lax.dynamic_update_slice_in_dim(acc[1], part[1], i * t, axis=2),
-    )
+    return _put_piece(acc[0], i, part[0]), _put_piece(acc[1], i, part[1], axis=2)
 
 
 def _fold_fwd(q, k, v, qp, qsg, kp, ksg, acc, m: int, spec: Spec, vma):
@@ -464,7 +460,7 @@ def _fold_bwd(q, k, v, out, lse, dout, qp, qsg, kp, ksg, grads, m: int, spec, vm
             return dq_i + gq, _add_piece(dk, j, gk), _add_piece(dv, j, gv)
 
         dq_i, dk, dv = lax.fori_loop(0, m, k_step, (_piece(dq, i, t), dk, dv))
-        return lax.dynamic_update_slice_in_dim(dq, dq_i, i * t, axis=1), dk, dv
+        return _put_piece(dq, i, dq_i), dk, dv
 
     return lax.fori_loop(0, m, q_step, grads)
 
@@ -487,11 +483,7 @@ def _fold_by_keys(q, k, m: int, pair, dtype, vma):
             return _add_piece(dq, i, gq), dk_j + gk, dv_j + gv
 
         dq, dk_j, dv_j = lax.fori_loop(0, m, q_step, (dq, zeros, zeros))
-        return (
-            dq,
-            lax.dynamic_update_slice_in_dim(dk, dk_j.astype(dtype), j * s, axis=1),
-            lax.dynamic_update_slice_in_dim(dv, dv_j.astype(dtype), j * s, axis=1),
-        )
+        return dq, _put_piece(dk, j, dk_j), _put_piece(dv, j, dv_j)
 
     zeros_kv = full(k.shape, 0.0, dtype, vma)
     return lax.fori_loop(0, m, k_step, (full(q.shape, 0.0, F32, vma), zeros_kv, zeros_kv))
@@ -519,9 +511,15 @@ def _piece(x: jax.Array | None, i, size: int, axis: int = 1) -> jax.Array | None
     return None if x is None else lax.dynamic_slice_in_dim(x, i * size, size, axis=axis)
 
 
-def _add_piece(acc: jax.Array, i, part: jax.Array, axis: int = 1) -> jax.Array:
+def _put_piece(acc: jax.Array, i, part: jax.Array, axis: int = 1) -> jax.Array:
+    """``acc`` with piece ``i`` (of ``part``'s size along ``axis``) replaced by ``part``, cast
+    to ``acc``'s dtype."""
     size = part.shape[axis]
-    return lax.dynamic_update_slice_in_dim(acc, _piece(acc, i, size, axis) + part, i * size, axis)
+    return lax.dynamic_update_slice_in_dim(acc, part.astype(acc.dtype), i * size, axis)
+
+
+def _add_piece(acc: jax.Array, i, part: jax.Array, axis: int = 1) -> jax.Array:
+    return _put_piece(acc, i, _piece(acc, i, part.shape[axis], axis) + part, axis)
 
 
 def _num_pieces(axis_name: str | None, q_len: int, kv_len: int) -> int:
@@ -888,9 +886,6 @@ def _in_order_backward(q, k, v, out, lse, dout, qp, qsg, kp, ksg, spec: Spec, vm
     if m == 1:
         return call(0, 0, True, q.dtype)
 
-    def store(x, j, g):
-        return lax.dynamic_update_slice_in_dim(x, g.astype(x.dtype), j * t, axis=1)
-
     zeros_kv = full(k.shape, 0.0, k.dtype, vma)
     grads = (full(q.shape, 0.0, F32, vma), zeros_kv, zeros_kv)
     band = _band(spec.reach, t, m)
@@ -910,7 +905,7 @@ def _in_order_backward(q, k, v, out, lse, dout, qp, qsg, kp, ksg, spec: Spec, vm
                 return dq, (kv[0] + keep(gk), kv[1] + keep(gv))
 
             dq, kv = lax.fori_loop(0, band, below, (_add_piece(dq, j, gq), (gk, gv)))
-            return dq, store(dk, j, kv[0]), store(dv, j, kv[1])
+            return dq, _put_piece(dk, j, kv[0]), _put_piece(dv, j, kv[1])
 
         dq, dk, dv = lax.fori_loop(0, m, column, grads)
         return dq.astype(q.dtype), dk, dv
@@ -940,8 +935,8 @@ def _in_order_backward(q, k, v, out, lse, dout, qp, qsg, kp, ksg, spec: Spec, vm
             return _add_piece(dq, i, gq), kv_a, kv_b
 
         dq, kv_a, kv_b = lax.fori_loop(0, m - 1, below, (dq, kv_a, kv_b))
-        dk = store(store(dk, a, kv_a[0]), b, kv_b[0])
-        dv = store(store(dv, a, kv_a[1]), b, kv_b[1])
+        dk = _put_piece(_put_piece(dk, a, kv_a[0]), b, kv_b[0])
+        dv = _put_piece(_put_piece(dv, a, kv_a[1]), b, kv_b[1])
         return dq, dk, dv
 
     dq, dk, dv = lax.fori_loop(0, m // 2, columns, grads)
