@@ -91,6 +91,19 @@ def row_reach(segment_ids: np.ndarray) -> int:
     return 1 << (int(look_back(segment_ids, segment_ids.shape[1], np)) - 1).bit_length()
 
 
+def row_schedule(
+    positions: np.ndarray,
+    segment_ids: np.ndarray,
+    layout: Layout,
+    sp: int,
+    orders: tuple[str, ...] = ROW_ORDERS,
+) -> tuple[str, int]:
+    """A batch's `row_order` and, for rows in order, its `row_reach` (else 0): the ``rows``
+    and ``reach`` its train step is compiled for (`lwm train`, `scripts/bench_train.py`)."""
+    order = row_order(positions, segment_ids, layout, sp, orders)
+    return order, row_reach(segment_ids) if order == "in_order" else 0
+
+
 REMAT_POLICIES = {
     "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
     "dots_saveable": jax.checkpoint_policies.dots_saveable,

@@ -32,7 +32,7 @@ from lwm.base.mesh import MeshError, check_batch_fits
 from lwm.base.metrics import MetricsWriter
 from lwm.config import Config, config_to_yaml
 from lwm.info import flops_per_token, measure_peak_flops
-from lwm.model import row_order, row_permutation, row_reach, sequence_layout
+from lwm.model import row_permutation, row_schedule, sequence_layout
 from lwm.runs import (
     checkpoint_manager,
     restore_newest,
@@ -155,9 +155,10 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
         return TrainResult(step=start, stopped_by=None)
 
     # With cuDNN attention, what is known of the rows' order picks the schedule
-    # (`lwm.model.ROW_ORDERS`): each batch is checked here (`row_order`, and for rows in order
-    # `row_reach`) and runs the step compiled for that, so only what occurs is compiled. Many processes
-    # would have to agree on it: there the step checks on the device instead (`train_step`).
+    # (`lwm.model.ROW_ORDERS`): each batch is checked here (`row_schedule`: its order and, for
+    # rows in order, how far back their queries look) and runs the step compiled for that, so
+    # only what occurs is compiled. Many processes would have to agree on it: there the step
+    # checks on the device instead (`train_step`).
     orders = row_orders(model_cfg, mesh)
     on_host = len(orders) > 1 and jax.process_count() == 1
     order_layout = sequence_layout(model_cfg, sp)
@@ -273,9 +274,8 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
             }
             rows, reach = None, 0
             if on_host:
-                rows = row_order(local["positions"], local["segment_ids"], order_layout, sp, orders)
-                # how far back its queries look: in-order rows skip key pieces beyond that
-                reach = row_reach(local["segment_ids"]) if rows == "in_order" else 0
+                positions, segments = local["positions"], local["segment_ids"]
+                rows, reach = row_schedule(positions, segments, order_layout, sp, orders)
             waited = time.perf_counter() - t_data
             params, opt_state, metrics = step_for(rows, reach)(params, opt_state, batch)
             pending.append((step, metrics, waited, rows))

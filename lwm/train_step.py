@@ -241,9 +241,10 @@ def train_step(
 
     ``rows``: what the caller knows of the order of every row of the batch (`row_order`: one
     program per order), or None for the device to check (`_grads_fn`); ``reach``: for rows in
-    order, how far back any query looks (`row_reach`; 0: unknown). With ``grad_accum > 1`` the batch is split into micro-batches whose gradients are summed;
-    each micro-batch loss is averaged over the whole batch's target counts, so the result
-    equals one step on the whole batch (up to float summation order).
+    order, how far back any query looks (`row_reach`; 0: unknown). With ``grad_accum > 1``
+    the batch is split into micro-batches whose gradients are summed; each micro-batch loss is
+    averaged over the whole batch's target counts, so the result equals one step on the whole
+    batch (up to float summation order).
     """
     grads_of = _grads_fn(params, graphdef, weights, rows, reach)
     if grad_accum == 1:

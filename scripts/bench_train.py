@@ -49,9 +49,8 @@ from lwm.info import flops_per_token, measure_peak_flops, param_counts
 from lwm.model import (
     ROW_ORDERS,
     create_model,
-    row_order,
     row_permutation,
-    row_reach,
+    row_schedule,
     sequence_layout,
 )
 from lwm.train_step import (
@@ -153,8 +152,9 @@ def bench_one(
         order, reach = {"auto": None, "device": None}.get(rows, rows), 0
         if rows == "auto":
             host = {k: np.asarray(data[k]) for k in ("positions", "segment_ids")}
-            order = row_order(host["positions"], host["segment_ids"], order_layout, sp, orders)
-            reach = row_reach(host["segment_ids"]) if order == "in_order" else 0
+            order, reach = row_schedule(
+                host["positions"], host["segment_ids"], order_layout, sp, orders
+            )
         key = f"{order}@{reach}" if reach else str(order)
         if key in compiled_for:
             return compiled_for[key], key, 0.0

@@ -80,6 +80,14 @@ def attention_mask(
     return mask
 
 
+def _by_document(seg, xp):
+    """A row's indices sorted by document (`data.batches.segment_documents`), then index, and
+    the documents in that order."""
+    doc = segment_documents(seg, xp)
+    order = xp.lexsort((xp.arange(seg.shape[0]), doc))
+    return order, doc[order]
+
+
 def keys_precede_queries(positions, segment_ids, xp=jnp):
     """Whether in every row each key a query sees (causal by position, `segments_see`) is at
     the query's index or before it, as a scalar bool: where it holds, ``in_order`` may be
@@ -99,10 +107,9 @@ def keys_precede_queries(positions, segment_ids, xp=jnp):
         order = xp.lexsort((index, seg))  # by segment, then index
         s, p = seg[order], pos[order]
         increasing = xp.all((s[1:] != s[:-1]) | (p[1:] > p[:-1]))
-        doc = segment_documents(seg, xp)
         first = (seg < TURN_FLAG) | ((seg & MAX_TURNS) == 0)  # turn 0, or no turns
-        order = xp.lexsort((index, doc))
-        d, f = doc[order], first[order]
+        order, d = _by_document(seg, xp)
+        f = first[order]
         turn0_first = ~xp.any((d[1:] == d[:-1]) & ~f[:-1] & f[1:])
         return increasing & turn0_first
 
@@ -122,9 +129,7 @@ def look_back(segment_ids, length: int, xp=jnp):
 
     def row(seg):
         index = xp.arange(seg.shape[0])
-        doc = segment_documents(seg, xp)
-        order = xp.lexsort((index, doc))  # by document, then index
-        d = doc[order]
+        order, d = _by_document(seg, xp)
         start = xp.concatenate([xp.ones(1, bool), d[1:] != d[:-1]])
         where = xp.where(start, index, 0)
         first = np.maximum.accumulate(where) if xp is np else jax.lax.cummax(where)
