@@ -3,15 +3,33 @@ persistent compilation cache for the session (a fresh folder per run), shared wi
 subprocesses the tests start: the same programs compiled again (the train step of every
 `lwm train` run of tests/test_train.py) are loaded instead of compiled. A cached program is
 the compiled executable itself, so results are unchanged (the resume tests compare losses
-bit for bit between a fresh and a cached compile)."""
+bit for bit between a fresh and a cached compile).
+
+On the CPU, XLA's backend compiles at LLVM -O0 here (``--xla_backend_optimization_level=0``):
+the tests' programs are small, so compiling them is most of their time, and -O0 takes about a
+third off that. LLVM's level changes how fast the code runs, not what it computes. The `lwm`
+subprocesses keep it (`subprocess_xla_flags`), except the one training that runs for minutes
+(tests/test_vision_learning.py). The suite took 540 s instead of 677 on this project's 2-core
+machine (2026-12-05)."""
 
 import os
 import tempfile
 
-_FLAG = "--xla_force_host_platform_device_count=8"
-if _FLAG not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FLAG}".strip()
+DEVICES = "--xla_force_host_platform_device_count=8"
+FAST_COMPILE = "--xla_backend_optimization_level=0"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # a GPU run of the cuDNN tests sets it
+for _flag in (DEVICES, FAST_COMPILE) if os.environ["JAX_PLATFORMS"] == "cpu" else (DEVICES,):
+    if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="lwm-tests-jax-cache-")
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.5"
+
+
+def subprocess_xla_flags(*, fast_compile: bool = True) -> str:
+    """XLA_FLAGS for a subprocess that picks its own devices (``--cpu-devices``): this
+    process's, without the 8 simulated devices, and without `FAST_COMPILE` where the
+    subprocess runs long enough for the code's speed to matter."""
+    drop = [DEVICES] if fast_compile else [DEVICES, FAST_COMPILE]
+    names = tuple(flag.split("=")[0] for flag in drop)
+    return " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(names))

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import subprocess_xla_flags
 from tokenize_helpers import (
     CODES_PER_FRAME,
     GOOD_VIDEOS,
@@ -378,10 +379,8 @@ def one_process(tmp_path_factory, synthetic, vqgan_dir):
     return out
 
 
-def _env_without_xla_flags() -> dict[str, str]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    env.pop("XLA_FLAGS", None)
-    return env
+def _subprocess_env() -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS=subprocess_xla_flags())
 
 
 def test_shards_killed_rerun_and_merged_equal_one_process(
@@ -405,7 +404,7 @@ def test_shards_killed_rerun_and_merged_equal_one_process(
             "1/2",
         ],
         cwd=ROOT,
-        env=_env_without_xla_flags(),
+        env=_subprocess_env(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )
@@ -457,7 +456,7 @@ def test_a_jax_distributed_job_killed_and_rerun_equals_one_process(
             subprocess.Popen(
                 [*python, "tokenize", *args, "--process-id", str(i)],
                 cwd=ROOT,
-                env=_env_without_xla_flags(),
+                env=_subprocess_env(),
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
                 text=True,

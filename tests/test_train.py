@@ -18,6 +18,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from conftest import subprocess_xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = [
@@ -35,7 +36,7 @@ BASE = [
 
 def lwm_train(out: Path, *overrides: str, devices: int = 8, env=None, wait=True):
     env = dict(os.environ if env is None else env)
-    env.pop("XLA_FLAGS", None)  # the devices come from --cpu-devices (issue 14)
+    env["XLA_FLAGS"] = subprocess_xla_flags()  # the devices come from --cpu-devices (issue 14)
     cmd = [
         sys.executable,
         "-m",

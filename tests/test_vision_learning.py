@@ -13,11 +13,15 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
+from conftest import subprocess_xla_flags
 
 COLOURS = {
     "red": (220, 30, 30),
@@ -28,6 +32,7 @@ COLOURS = {
     "purple": (160, 60, 220),
 }
 ORDINALS = ("first", "second", "third")
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class QuarterColourEncoder:
@@ -72,10 +77,8 @@ def test_a_tiny_model_learns_to_read_the_video(tmp_path: Path):
     from data.tokenize_dataset import TokenizeOptions, tokenize_dataset
     from data.tokens import TextCodec
     from lwm.base.mesh import make_mesh
-    from lwm.config import load_config
     from lwm.qa_eval import BlindBaseline, evaluate, read_questions
     from lwm.runs import load_run
-    from lwm.train import train
     from lwm.vision_qa import VideoQA
 
     combos = list(itertools.product(COLOURS, repeat=3))  # 216 videos: 192 to train on, 24 held out
@@ -95,32 +98,41 @@ def test_a_tiny_model_learns_to_read_the_video(tmp_path: Path):
         encoder=encoder,
         log=lambda _: None,
     )
-    cfg = load_config(
-        "configs/debug.yaml",
-        [
-            f"data.source={tokens}",
-            f"train.output_dir={tmp_path / 'lm'}",
-            "model.text_vocab_size=4096",
-            "model.hidden_size=128",  # 64 (the debug width) fits the training set, not 100%
-            "model.intermediate_size=256",
-            "model.vision_codes=8",  # the encoder's codebook: a vision softmax of 8 + markers
-            "model.loss_positions=32",  # the text head only where answers are trained
-            "model.attention=ring",
-            "model.block_q=16",
-            "model.block_k=16",
-            "mesh.shape=1,1,2,1",
-            "train.seq_len=128",
-            "train.batch_size=8",
-            "train.steps=400",
-            "train.learning_rate=3e-3",
-            "train.warmup_steps=10",
-            "train.save_every=400",
-            "train.progress=false",
-            "train.peak_flops=1e9",
-        ],
+    # `lwm train` in a process of its own: 400 steps, where the code's speed matters, so at
+    # XLA's default optimization level (`subprocess_xla_flags`), ring over 2 devices
+    overrides = [
+        f"data.source={tokens}",
+        f"train.output_dir={tmp_path / 'lm'}",
+        "model.text_vocab_size=4096",
+        "model.hidden_size=128",  # 64 (the debug width) fits the training set, not 100%
+        "model.intermediate_size=256",
+        "model.vision_codes=8",  # the encoder's codebook: a vision softmax of 8 + markers
+        "model.loss_positions=32",  # the text head only where answers are trained
+        "model.attention=ring",
+        "model.block_q=16",
+        "model.block_k=16",
+        "mesh.shape=1,1,2,1",
+        "train.seq_len=128",
+        "train.batch_size=8",
+        "train.steps=400",
+        "train.learning_rate=3e-3",
+        "train.warmup_steps=10",
+        "train.save_every=400",
+        "train.progress=false",
+        "train.peak_flops=1e9",
+    ]
+    env = dict(os.environ, XLA_FLAGS=subprocess_xla_flags(fast_compile=False))
+    cmd = [sys.executable, "-m", "lwm", "train", "--cpu-devices=2", "--config"]
+    run = subprocess.run(
+        [*cmd, "configs/debug.yaml", *overrides],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
     )
-    mesh = make_mesh("1,1,2,1", devices=jax.devices()[:2])  # ring over 2: less overhead than 8
-    train(cfg, mesh=mesh, log=lambda _: None)
+    assert run.returncode == 0, run.stderr[-3000:]
+    mesh = make_mesh("1,1,2,1", devices=jax.devices()[:2])
     _, model = load_run(tmp_path / "lm", mesh=mesh, log=lambda _: None)
     qa = VideoQA(model, TextCodec.load(), encoder, max_new_tokens=6, batch_size=24)
     report = evaluate(
