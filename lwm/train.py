@@ -158,7 +158,7 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
     # (`lwm.model.ROW_ORDERS`): each batch is checked here (`row_schedule`: its order and, for
     # rows in order, how far back their queries look) and runs the step compiled for that, so
     # only what occurs is compiled. Many processes would have to agree on it: there the step
-    # checks on the device instead (`train_step`).
+    # checks on the device instead (`train_step` with ``rows=None``).
     orders = row_orders(model_cfg, mesh)
     on_host = len(orders) > 1 and jax.process_count() == 1
     order_layout = sequence_layout(model_cfg, sp)

@@ -183,24 +183,29 @@ def _grads_fn(params: nnx.State, graphdef: nnx.GraphDef, weights, rows: str | No
     (`lwm.model.ROW_ORDERS`, checked by the caller on the host: one program per order). With
     ``rows=None`` the step checks on the device whether the batch's rows are each one document
     in the model's layout (`one_document_rows`) and takes the ``one_document`` schedule if so,
-    ``any`` if not: one conditional per step (per micro-batch), both branches compiled (and
-    planned: the larger one's memory), for callers that cannot check on the host (processes
-    that would have to agree). The metric ``one_document`` then says which ran."""
+    else the one for rows in order where the model has it (``in_order``: a hint that each
+    attention call checks on the device, falling back to the general schedule where it does
+    not hold; without a reach, so every piece below the diagonal runs), else ``any``: one
+    conditional per step (per micro-batch), both branches compiled (and planned: the larger
+    one's memory), for callers that cannot check on the host (processes that would have to
+    agree). The metric ``one_document`` then says which ran."""
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def run(batch, counts, order):
         return grad_fn(params, graphdef, batch, weights, counts, order, reach)
 
     model: LWMModel = nnx.merge(graphdef, params)
-    if rows is None and "one_document" not in row_orders(model.cfg, model.mesh):
+    orders = row_orders(model.cfg, model.mesh)
+    if rows is None and "one_document" not in orders:
         rows = "any"  # nothing to choose: the same program either way
     if rows is not None:
         return lambda batch, counts=None: run(batch, counts, rows)
+    other = "in_order" if "in_order" in orders else "any"
 
     def grads(batch, counts=None):
         known = model.rows_are_one_document(batch["positions"], batch["segment_ids"])
         (loss, metrics), g = jax.lax.cond(
-            known, lambda: run(batch, counts, "one_document"), lambda: run(batch, counts, "any")
+            known, lambda: run(batch, counts, "one_document"), lambda: run(batch, counts, other)
         )
         return (loss, dict(metrics, one_document=known.astype(jnp.float32))), g
 

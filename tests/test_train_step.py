@@ -375,14 +375,16 @@ def test_in_order_schedule_gives_the_same_loss_and_gradients(monkeypatch):
     (`row_order`), no query looking back more than 32 tokens (`row_reach`); with cuDNN
     attention (its stand-in, pieces of 8 tokens: 16 a side) told so (`loss_fn(rows="in_order",
     reach=...)`: the in-order schedule over each piece's band of 4 key pieces) the loss and
-    gradients equal the XLA kernel's. With the padding all at one position the rows are not in
-    order; one-document rows are ``one_document``."""
+    gradients equal the XLA kernel's; so do they where the step checks on the device
+    (``rows=None``, as many processes run it: the one-document schedule, else the in-order one
+    without a reach, its paired loops of 15 pieces). With the padding all at one position the
+    rows are not in order; one-document rows are ``one_document``."""
     import jax.numpy as jnp
     from test_cudnn_attention import scan_lengths, top_level_conds
 
     import lwm.attention.cudnn as cudnn
     from lwm.model import row_order, row_reach
-    from lwm.train_step import loss_fn
+    from lwm.train_step import _grads_fn, loss_fn
 
     monkeypatch.setattr(cudnn, "PIECE", 8)
     mesh = make_mesh("1,2,4,1")  # blockwise: each device attends over the whole sequence
@@ -405,9 +407,14 @@ def test_in_order_schedule_gives_the_same_loss_and_gradients(monkeypatch):
             }
         )
         graphdef, params = nnx.split(create_model(cfg, mesh=mesh), nnx.Param)
-        fn = jax.value_and_grad(
-            lambda p, b: loss_fn(p, graphdef, b, rows=rows, reach=reach), has_aux=True
-        )
+        if rows is None:  # checked on the device
+
+            def fn(p, b):
+                return _grads_fn(p, graphdef, (0.5, 0.5), None)(b)
+        else:
+            fn = jax.value_and_grad(
+                lambda p, b: loss_fn(p, graphdef, b, rows=rows, reach=reach), has_aux=True
+            )
         (loss, _), g = jax.jit(fn)(params, batch)
         jaxpr = jax.make_jaxpr(fn)(params, batch).jaxpr
         # the in-order schedule's one check per call: a conditional of two branches, one of
@@ -420,10 +427,13 @@ def test_in_order_schedule_gives_the_same_loss_and_gradients(monkeypatch):
     assert checks == 0
     loss, got, checks, loops = grads("cudnn", "in_order", 32)
     assert checks > 0 and 4 in loops and 15 not in loops  # the band's loops, not all pieces'
-    assert abs(loss - ref_loss) <= 1e-6 * abs(ref_loss)
-    for a, b in zip(ref, got, strict=True):
-        err = float(jnp.max(jnp.abs(a - b)))
-        assert err <= 1e-5 * (float(jnp.max(jnp.abs(a))) + 1e-12), err
+    device_loss, device_got, _, device_loops = grads("cudnn", None)
+    assert 15 in device_loops  # the paired schedule: all 15 pieces below the diagonal
+    for value, grads_of in ((loss, got), (device_loss, device_got)):
+        assert abs(value - ref_loss) <= 1e-6 * abs(ref_loss)
+        for a, b in zip(ref, grads_of, strict=True):
+            err = float(jnp.max(jnp.abs(a - b)))
+            assert err <= 1e-5 * (float(jnp.max(jnp.abs(a))) + 1e-12), err
 
 
 def test_row_orders_follow_the_kernel_and_the_mesh(monkeypatch):
