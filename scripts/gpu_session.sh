@@ -89,7 +89,7 @@ PY
         --seqs 256 --attention blockwise --kernels xla,cudnn --one-document --repeats 1 \
         --mesh 1,1,1,1
     step check_bench_train_packed 300 "$py" scripts/bench_train.py --platform cpu --sizes tiny \
-        --seqs 256 --attention blockwise --kernels cudnn --rows auto,any --repeats 1 \
+        --seqs 256 --attention blockwise --kernels cudnn --rows auto,device,any --repeats 1 \
         --mesh 1,1,1,1
     rm -rf "$out/check_tiny"
     step check_profile 120 "$py" scripts/profile_attention.py --platform cpu --seqs 512 \
@@ -164,9 +164,11 @@ packed)  # one call of about 8 minutes (timeout_s 590): packed rows in the train
     # general one (a conditional per piece and layer), the latter with XLA's command buffers
     # (CUDA graphs) taking the conditionals, one document per row beside them, and attention
     # alone (the packed probe: general, in order, cuDNN's own packed layout)
-    step bench_train_packed 90 python3 scripts/bench_train.py --platform gpu \
+    # 8K: in order within their band (auto: one process), the device's choice (many
+    # processes: in order over all pieces, checked per call), general
+    step bench_train_packed 120 python3 scripts/bench_train.py --platform gpu \
         --sizes 7b-4l --seqs 8192 --attention blockwise --kernels cudnn --repeats 3 \
-        --rows auto,any
+        --rows auto,device,any
     # 32K: in order within a band of one piece (auto), in order over all pieces, general
     step bench_train_packed_32k 180 python3 scripts/bench_train.py --platform gpu \
         --sizes 7b-4l --seqs 32768 --attention blockwise --kernels cudnn --repeats 2 \
