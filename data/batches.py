@@ -113,7 +113,9 @@ def next_token_targets(
 
 
 class Loader(Protocol):
-    """What the training loop needs from a data source."""
+    """What the training loop needs from a data source. A loader may also say how far back
+    any query of the whole batch it last gave looks, the same on every host
+    (``last_look_back() -> int``): with many processes `lwm train` compiles its step for it."""
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]: ...
 
@@ -206,6 +208,13 @@ class SyntheticTokenLoader:
 
     def state(self) -> dict[str, Any]:
         return {"kind": "synthetic", "step": self.step, "seed": self.seed}
+
+    def last_look_back(self) -> int:
+        """How far back, counting itself, any query of any batch looks over every host's rows
+        (`lwm.attention.look_back`), at most: the longest document of the patterns, or the
+        row. The same on every host (`lwm train` with many processes compiles its step for
+        it)."""
+        return min(self.seq_len, max(len(t) + len(c) + 1 for t, c in self._patterns))
 
     def restore(self, state: dict[str, Any]) -> None:
         if state.get("kind") != "synthetic" or state.get("seed") != self.seed:

@@ -320,6 +320,24 @@ class TokenDatasetLoader:
             epoch += 1
         return epoch, g - self.global_batch(epoch, 0)
 
+    def look_back(self, g: int) -> int:
+        """How far back, counting itself, any query of global batch ``g`` looks over every
+        host's rows (`lwm.attention.look_back` of their segment ids, where a record's QA turns
+        are one document): its longest piece of a document or run of padding. From the plan
+        alone, so the same on every host without a record read (`lwm train` with many
+        processes compiles its step for it)."""
+        epoch, batch = self.locate(g)
+        plan = self.plan(epoch)
+        longest = 0
+        for r in range(batch * self.batch_size, (batch + 1) * self.batch_size):
+            lengths = [n for _, _, n in plan.row(r)]
+            longest = max(longest, *lengths, self.seq_len - sum(lengths))
+        return longest
+
+    def last_look_back(self) -> int:
+        """`look_back` of the global batch last handed out."""
+        return self.look_back(self._next - 1)
+
     # -- reading ----------------------------------------------------------------------------
 
     def read(self, g: int) -> dict[str, np.ndarray]:

@@ -86,9 +86,14 @@ def row_order(
 
 def row_reach(segment_ids: np.ndarray) -> int:
     """How far back any query of rows in order looks, in tokens (`look_back` on the host),
-    rounded up to a power of two so that a run compiles few programs: what
-    ``hidden_states(rows="in_order", reach=...)`` may be told."""
-    return 1 << (int(look_back(segment_ids, segment_ids.shape[1], np)) - 1).bit_length()
+    rounded up (`round_reach`): what ``hidden_states(rows="in_order", reach=...)`` may be
+    told."""
+    return round_reach(int(look_back(segment_ids, segment_ids.shape[1], np)))
+
+
+def round_reach(tokens: int) -> int:
+    """``tokens`` rounded up to a power of two, so that a run compiles few programs."""
+    return 1 << (tokens - 1).bit_length()
 
 
 def row_schedule(

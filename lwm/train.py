@@ -32,7 +32,7 @@ from lwm.base.mesh import MeshError, check_batch_fits
 from lwm.base.metrics import MetricsWriter
 from lwm.config import Config, config_to_yaml
 from lwm.info import flops_per_token, measure_peak_flops
-from lwm.model import row_permutation, row_schedule, sequence_layout
+from lwm.model import round_reach, row_permutation, row_schedule, sequence_layout
 from lwm.runs import (
     checkpoint_manager,
     restore_newest,
@@ -158,9 +158,17 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
     # (`lwm.model.ROW_ORDERS`): each batch is checked here (`row_schedule`: its order and, for
     # rows in order, how far back their queries look) and runs the step compiled for that, so
     # only what occurs is compiled. Many processes would have to agree on it: there the step
-    # checks on the device instead (`train_step` with ``rows=None``).
+    # checks on the device (`train_step` with ``rows=None``), for rows in order within the
+    # reach that the loader's plan gives alike on every host (`last_look_back`), which each
+    # host checks against its own rows.
     orders = row_orders(model_cfg, mesh)
-    on_host = len(orders) > 1 and jax.process_count() == 1
+    on_host = len(orders) > 1 and not _many_processes()
+    planned = (
+        len(orders) > 1
+        and not on_host
+        and "in_order" in orders
+        and hasattr(loader, "last_look_back")
+    )
     order_layout = sequence_layout(model_cfg, sp)
     steps: dict[tuple[str | None, int], object] = {}
 
@@ -169,6 +177,11 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
             if on_host:
                 within = f" within {reach} tokens" if reach else ""
                 log(f"rows {rows}{within}: compiling the train step for them")
+            elif planned:
+                log(
+                    "rows checked on the device (one document each, else in order within "
+                    f"{reach} tokens): compiling the train step for them"
+                )
             steps[rows, reach] = jit_train_step(
                 graphdef,
                 tx,
@@ -273,9 +286,16 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
                 for k, v in local.items()
             }
             rows, reach = None, 0
-            if on_host:
+            if on_host or planned:
                 positions, segments = local["positions"], local["segment_ids"]
                 rows, reach = row_schedule(positions, segments, order_layout, sp, orders)
+            if planned:  # the plan's reach, and this host's rows within it
+                mine, rows, reach = reach, None, round_reach(loader.last_look_back())
+                if mine > reach:
+                    raise TrainingError(
+                        f"step {step}: this host's rows look back {mine} tokens, more than the "
+                        f"{reach} of the loader's plan for the whole batch"
+                    )
             waited = time.perf_counter() - t_data
             params, opt_state, metrics = step_for(rows, reach)(params, opt_state, batch)
             pending.append((step, metrics, waited, rows))
@@ -326,6 +346,11 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
         for s, handler in previous.items():
             signal.signal(s, handler)
     return TrainResult(step=step, stopped_by=stopped_by)
+
+
+def _many_processes() -> bool:
+    """Whether this run spans many processes (`jax.distributed`)."""
+    return jax.process_count() > 1
 
 
 def _initial_params(cfg, model_cfg, mesh, log, metadata=None):

@@ -183,16 +183,17 @@ def _grads_fn(params: nnx.State, graphdef: nnx.GraphDef, weights, rows: str | No
     (`lwm.model.ROW_ORDERS`, checked by the caller on the host: one program per order). With
     ``rows=None`` the step checks on the device whether the batch's rows are each one document
     in the model's layout (`one_document_rows`) and takes the ``one_document`` schedule if so,
-    else the one for rows in order where the model has it (``in_order``: a hint that each
-    attention call checks on the device, falling back to the general schedule where it does
-    not hold; without a reach, so every piece below the diagonal runs), else ``any``: one
+    else the one for rows in order where the model has it (``in_order`` with ``reach``, or
+    every piece below the diagonal without one: a hint that each attention call checks on the
+    device, falling back to the general schedule where it does not hold), else ``any``: one
     conditional per step (per micro-batch), both branches compiled (and planned: the larger
     one's memory), for callers that cannot check on the host (processes that would have to
     agree). The metric ``one_document`` then says which ran."""
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def run(batch, counts, order):
-        return grad_fn(params, graphdef, batch, weights, counts, order, reach)
+        within = reach if order == "in_order" else 0
+        return grad_fn(params, graphdef, batch, weights, counts, order, within)
 
     model: LWMModel = nnx.merge(graphdef, params)
     orders = row_orders(model.cfg, model.mesh)

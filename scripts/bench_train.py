@@ -49,6 +49,7 @@ from lwm.info import flops_per_token, measure_peak_flops, param_counts
 from lwm.model import (
     ROW_ORDERS,
     create_model,
+    round_reach,
     row_permutation,
     row_schedule,
     sequence_layout,
@@ -99,7 +100,7 @@ def bench_one(
     """One JSON record. ``rows``: the order of rows the step is compiled for
     (`lwm.model.ROW_ORDERS`), ``auto`` for each batch's own (`row_order`, as one process of
     `lwm train` chooses), or ``device`` for the step that checks on the device (as many
-    processes run it)."""
+    processes run it, for the reach of the loader's plan)."""
     path, overrides = SIZES[size]
     cfg = load_config(path, settings).model.model_copy(
         update={
@@ -150,6 +151,8 @@ def bench_one(
     def step_for(data):
         """The compiled step for ``data``'s rows; the seconds spent compiling it now."""
         order, reach = {"auto": None, "device": None}.get(rows, rows), 0
+        if rows == "device" and "in_order" in orders:  # the loader's plan's, as lwm train's
+            reach = round_reach(loader.last_look_back())
         if rows == "auto":
             host = {k: np.asarray(data[k]) for k in ("positions", "segment_ids")}
             order, reach = row_schedule(

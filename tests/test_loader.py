@@ -15,7 +15,7 @@ from data import dataset_io
 from data.batches import BATCH_FIELDS, WINDOW_FIELD
 from data.loader import TokenDatasetLoader, plan_epoch
 from data.tokens import frame_cells, frame_window
-from lwm.attention import keys_precede_queries
+from lwm.attention import keys_precede_queries, look_back
 
 SEQ = 32
 
@@ -146,6 +146,10 @@ def test_two_hosts_read_disjoint_shares_that_cover_the_dataset(dataset):
             np.testing.assert_array_equal(
                 np.concatenate([parts[0][key], parts[1][key]]), whole[b][key]
             )
+        # how far back the whole batch's queries look, from the plan, alike on both hosts
+        # (`lwm train` with many processes compiles its step for it)
+        seen = look_back(whole[b]["segment_ids"], SEQ, np)
+        assert hosts[0].last_look_back() == hosts[1].last_look_back() == seen
     assert tokens[0] and tokens[1] and not set(tokens[0]) & set(tokens[1])
     expected = {i * 1000 + j for i, n in enumerate(LENGTHS) for j in range(n)}
     assert set(tokens[0]) | set(tokens[1]) == expected
@@ -209,8 +213,12 @@ def test_zigzag_layout_permutes_the_unpermuted_batch(dataset):
 
 def test_pad_mode_one_example_per_row_truncated(dataset):
     ld = loader(dataset, pack=False)
+    batches = []
+    for _ in range(ld.batches_in_epoch(0)):
+        batches.append(next(ld))
+        assert ld.last_look_back() == look_back(batches[-1]["segment_ids"], SEQ, np)
     starts = set()
-    for b, r in [(b, r) for b in epoch_batches(ld) for r in range(4)]:
+    for b, r in [(b, r) for b in batches for r in range(4)]:
         seg = b["segment_ids"][r]
         if not seg.any():
             continue

@@ -26,6 +26,7 @@ from lwm.attention import (
     blockwise_attention,
     dense_attention,
     keys_precede_queries,
+    look_back,
     ring_attention,
 )
 from lwm.attention.layout import zigzag_permutation
@@ -148,6 +149,10 @@ def test_the_loader_gives_each_turn_its_own_segment_and_the_videos_positions(cod
     # `in_order` schedule); with the padding all at one position it would not.
     segs = batch["segment_ids"]
     assert keys_precede_queries(batch["positions"], segs, np) and (segs == 0).sum() > 1
+    # how far back its queries look, from the loader's plan: a record's turns are one document
+    ld = TokenDatasetLoader(path, batch_size=1, seq_len=160, read_threads=0, qa_turns="isolated")
+    next(ld)
+    assert ld.last_look_back() == look_back(segs, 160, np) < 160
     flat = np.where(segs == 0, 0, batch["positions"])
     assert not keys_precede_queries(flat, segs, np)
     # Targets: an answer token is the target of the token before it in its turn; no target

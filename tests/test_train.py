@@ -135,7 +135,9 @@ def test_each_batch_runs_the_step_compiled_for_its_rows(tmp_path, monkeypatch):
     """With cuDNN attention (its stand-in) `lwm train` checks each batch on the host and runs
     the step compiled for its rows' order (`lwm.model.row_order`): here packed rows (in order)
     and, every other step, one document per row. Each order compiles once, the metrics give
-    the share of each, and the losses are the XLA kernel's."""
+    the share of each, and the losses are the XLA kernel's. As many processes run it (their
+    count patched): one step checking on the device, compiled for the reach of the loader's
+    plan (`last_look_back`), the same losses."""
     import lwm.train as lt
 
     real = lt.build_loader
@@ -157,16 +159,34 @@ def test_each_batch_runs_the_step_compiled_for_its_rows(tmp_path, monkeypatch):
 
     monkeypatch.setattr(lt, "build_loader", lambda *a: EveryOtherOneDocument(real(*a)))
     runs = {}
-    for kernel in ("xla", "cudnn"):
-        out = tmp_path / kernel
+    for run in ("xla", "cudnn", "cudnn-many"):
+        if run == "cudnn-many":
+            monkeypatch.setattr(lt, "_many_processes", lambda: True)
+        out = tmp_path / run
         args = ("train.steps=4", "mesh.shape=1,2,4,1", "model.attention=blockwise")
-        r = lwm_train_here(out, *args, f"model.attention_kernel={kernel}")
+        r = lwm_train_here(out, *args, f"model.attention_kernel={run.split('-')[0]}")
         assert r.returncode == 0, r.stderr
-        runs[kernel] = (losses(out), r.stderr, out)
-    (ref, _, _), (got, err, out) = runs["xla"], runs["cudnn"]
-    assert sorted(got) == [1, 2, 3, 4]
-    for step in got:
-        assert got[step] == pytest.approx(ref[step], rel=1e-5), step
+        runs[run] = (losses(out), r.stderr, out)
+    ref = runs["xla"][0]
+    for got, _, _ in (runs["cudnn"], runs["cudnn-many"]):
+        assert sorted(got) == [1, 2, 3, 4]
+        for step in got:
+            assert got[step] == pytest.approx(ref[step], rel=1e-5), step
+    many = runs["cudnn-many"][1]
+    assert many.count("rows checked on the device") == 1, many
+    assert "else in order within 32 tokens): compiling" in many and "rows in_order" not in many
+    lines = (runs["cudnn-many"][2] / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["one_document"] for x in lines] == [0.0, 1.0, 0.0, 1.0]
+    # a plan that says less than a host's rows look back stops the run, naming both
+    from data.batches import SyntheticTokenLoader
+
+    monkeypatch.setattr(SyntheticTokenLoader, "last_look_back", lambda self: 4)
+    r = lwm_train_here(tmp_path / "short", *args, "model.attention_kernel=cudnn")
+    assert r.returncode != 0
+    assert (
+        "step 1: this host's rows look back 32 tokens, more than the 4 of the loader's" in r.stderr
+    )
+    err, out = runs["cudnn"][1], runs["cudnn"][2]
     # in order: one step per reach (`row_reach`) the batches have, here one
     assert err.count("rows in_order within 32 tokens: compiling") == 1, err
     assert err.count("rows one_document: compiling") == 1, err
