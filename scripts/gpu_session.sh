@@ -164,15 +164,16 @@ packed)  # one call of about 8 minutes (timeout_s 590): packed rows in the train
     # general one (a conditional per piece and layer), the latter with XLA's command buffers
     # (CUDA graphs) taking the conditionals, one document per row beside them, and attention
     # alone (the packed probe: general, in order, cuDNN's own packed layout)
-    # 8K: in order within their band (auto: one process), the device's choice (many
-    # processes: in order over all pieces, checked per call), general
+    # 8K: in order (auto: one process), the same chosen on the device (many processes),
+    # general
     step bench_train_packed 120 python3 scripts/bench_train.py --platform gpu \
         --sizes 7b-4l --seqs 8192 --attention blockwise --kernels cudnn --repeats 3 \
         --rows auto,device,any
-    # 32K: in order within a band of one piece (auto), in order over all pieces, general
+    # 32K: in order within a band of one piece (auto), the same chosen on the device (as
+    # many processes run it), general
     step bench_train_packed_32k 180 python3 scripts/bench_train.py --platform gpu \
         --sizes 7b-4l --seqs 32768 --attention blockwise --kernels cudnn --repeats 2 \
-        --rows auto,in_order,any
+        --rows auto,device,any
     step bench_train_packed_graphs 100 python3 scripts/bench_train.py --platform gpu \
         --sizes 7b-4l --seqs 8192 --attention blockwise --kernels cudnn --repeats 3 --rows any \
         --compiler-options '{"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE", "xla_gpu_graph_min_graph_size": 1}'

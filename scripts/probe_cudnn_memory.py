@@ -15,8 +15,9 @@ Attention cases: ``plain`` (``--layers`` layers unrolled), ``scan`` (in a `lax.s
 in order, the schedule that decides nothing at run time), ``-in-order`` (positions given and
 ``in_order``: the masked pieces' schedule). Train-step cases (configs/7b.yaml with ``--layers``
 layers, bf16 compute, float32 parameters and AdamW, remat ``nothing_saveable``, batch 1, as
-`scripts/bench_train.py --sizes 7b-4l` compiles it): ``step`` (as many processes compile it:
-the known-order schedule or the general one, chosen per step by one `lax.cond`), ``step-doc``,
+`scripts/bench_train.py --sizes 7b-4l` compiles it): ``step`` and ``step-band`` (as many
+processes compile it: the known-order schedule or the in-order one, chosen per step by one
+`lax.cond`; the latter for the loader's plan's reach, 4,096 tokens here), ``step-doc``,
 ``step-general``, ``step-in-order`` and ``step-in-order-band`` (the step compiled for rows of
 one order, as one process of `lwm train` compiles one per order that occurs:
 `lwm.model.ROW_ORDERS`; the last for rows in order whose queries look back at most 4,096 tokens,
@@ -151,6 +152,7 @@ def attention_compiled(case: str, args: argparse.Namespace):
 # (`lwm.train_step.train_step`); the band: no query looking back more than one piece
 STEP_ROWS = {
     "step": (None, 0),
+    "step-band": (None, 4096),
     "step-doc": ("one_document", 0),
     "step-general": ("any", 0),
     "step-in-order": ("in_order", 0),
