@@ -158,7 +158,8 @@ def bench_one(
             order, reach = row_schedule(
                 host["positions"], host["segment_ids"], order_layout, sp, orders
             )
-        key = f"{order}@{reach}" if reach else str(order)
+        name = order or "device"  # None: checked on the device
+        key = f"{name}@{reach}" if reach else name
         if key in compiled_for:
             return compiled_for[key], key, 0.0
         t0 = time.perf_counter()
