@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -86,8 +87,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if getattr(args, "cpu_devices", None):
             use_cpu_devices(args.cpu_devices)
-        return int(module.run(args))
+        status = int(module.run(args))
+        sys.stdout.flush()  # a reader that left early shows here, not at exit
+        return status
     except user_errors() as e:
         message = " ".join(str(e).split())
         print(f"lwm {top.command}: error: {message}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader left (`lwm info ... | head`): stop without a trace
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1

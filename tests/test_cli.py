@@ -35,6 +35,24 @@ def test_info_7b() -> None:
     assert "GiB" in out
 
 
+@pytest.mark.parametrize("unbuffered", ["", "1"])
+def test_a_reader_that_leaves_early_gets_no_traceback(unbuffered: str) -> None:
+    """`lwm info ... | head -1`, where the reader has left before the output comes (buffered
+    or not): the output meets a closed pipe, and the command stops with status 1 and nothing
+    on stderr."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lwm", "info", "configs/7b.yaml"],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONUNBUFFERED=unbuffered),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    proc.stdout.close()  # before anything is printed: importing takes a second
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 1 and err == "", err
+
+
 def _assert_one_line_error(
     result: subprocess.CompletedProcess, *needles: str, verb: str = "info"
 ) -> None:

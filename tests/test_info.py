@@ -104,3 +104,43 @@ def test_per_device_bytes_shrink_with_fsdp() -> None:
     matrices = 32 * (4 * 4096 * 4096 + 3 * 4096 * 11008)
     muon = memory_per_device(model, mesh_axis_sizes((1, 1, 1, 1)), "muon")
     assert muon.params == one.params and muon.optimizer == total * 8 - matrices * 4
+
+
+def test_info_names_the_kernel_that_runs_and_the_rows_with_their_own_schedules(monkeypatch):
+    """`lwm info`'s device line: the kernel the config's inputs run on (on a GPU, simulated,
+    float32 falls back to the XLA kernel and says why) and the orders of rows `lwm train`
+    compiles a schedule for (`row_orders`: only with cuDNN; ``in_order`` only where each device
+    attends over the whole sequence)."""
+    import jax
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+
+    import lwm.attention.blockwise as blockwise
+    import lwm.train_step as ts
+    from lwm.base.mesh import make_mesh
+    from lwm.commands.info import describe_devices
+
+    one = make_mesh("1,1,1,1", devices=jax.devices()[:1])
+    ring = make_mesh("1,1,2,1", devices=jax.devices()[:2])
+    bf16 = ["model.attention_kernel=cudnn", "model.dtype=bfloat16"]
+    line = describe_devices(load_config(CONFIGS / "tiny.yaml", bf16), one)
+    assert line.endswith(
+        "attention_kernel cudnn -> cudnn (emulated); rows with their own schedules: any, "
+        "in_order, one_document"
+    ), line
+    cfg = load_config(CONFIGS / "tiny.yaml", [*bf16, "model.attention=ring"])
+    assert describe_devices(cfg, ring).endswith("schedules: any, one_document")
+    cfg = load_config(CONFIGS / "tiny.yaml", ["model.attention_kernel=xla"])
+    assert describe_devices(cfg, one).endswith("attention_kernel xla -> xla")
+
+    monkeypatch.setattr(fa, "check_cudnn_version", lambda: 91000)  # a GPU's cuDNN
+    for module in (ts, blockwise):
+        monkeypatch.setattr(module, "resolve_kernel", lambda k, p=None: ("cudnn", False))
+    cfg = load_config(CONFIGS / "tiny.yaml", ["model.attention_kernel=auto"])
+    assert describe_devices(cfg, one).endswith(
+        "attention_kernel auto -> xla: cudnn refuses dtype float32 (cuDNN's flash attention "
+        "takes bfloat16 or float16)"
+    )
+    assert describe_devices(load_config(CONFIGS / "tiny.yaml", bf16), one).endswith(
+        "attention_kernel cudnn -> cudnn; rows with their own schedules: any, in_order, "
+        "one_document"
+    )

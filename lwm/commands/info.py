@@ -10,11 +10,15 @@ per-device bytes of parameters and optimizer state (AdamW's, or Muon's with
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from lwm.base.mesh import MESH_AXES, make_mesh, mesh_axis_sizes, parse_mesh_shape
 from lwm.commands import positive_int
 from lwm.config import Config, config_to_yaml, load_config
 from lwm.info import flops_per_token, memory_per_device, param_counts
+
+if TYPE_CHECKING:
+    from jax.sharding import Mesh
 
 GIB = 1024**3
 
@@ -40,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     if args.devices is None:
         mesh = make_mesh(config.mesh.shape)
         axis_sizes, num_devices = dict(mesh.shape), mesh.size
-        print(describe_devices(config))
+        print(describe_devices(config, mesh))
     else:
         axis_sizes = mesh_axis_sizes(parse_mesh_shape(config.mesh.shape, args.devices))
         num_devices = args.devices
@@ -48,20 +52,33 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def describe_devices(config: Config) -> str:
-    """One line: the devices JAX sees, and the attention block kernel the config runs there."""
+def describe_devices(config: Config, mesh: Mesh | None = None) -> str:
+    """One line: the devices JAX sees, the attention block kernel the config runs there (and
+    why cuDNN's would not run its inputs), and with ``mesh`` the orders of rows whose
+    attention schedules `lwm train` compiles apart (`lwm.train_step.row_orders`)."""
     import jax
 
+    from lwm.attention import cudnn
     from lwm.attention.blockwise import resolve_kernel
+    from lwm.train_step import row_orders
 
+    model = config.model
     devices = jax.devices()
     kinds = sorted({d.device_kind for d in devices})
-    kernel, emulated = resolve_kernel(config.model.attention_kernel, devices[0].platform)
+    kernel, emulated = resolve_kernel(model.attention_kernel, devices[0].platform)
     how = " (emulated)" if emulated else ""
-    return (
+    if kernel == "cudnn" and not emulated:
+        q = jax.ShapeDtypeStruct((1, 1, model.num_heads, model.head_dim), model.dtype)
+        k = jax.ShapeDtypeStruct((1, 1, model.num_kv_heads, model.head_dim), model.dtype)
+        if reason := cudnn.unsupported(q, k):  # as each attention call falls back
+            kernel, how = "xla", f": cudnn refuses {reason}"
+    line = (
         f"# devices: {len(devices)} x {', '.join(kinds)} ({devices[0].platform}, jax "
-        f"{jax.__version__}); attention_kernel {config.model.attention_kernel} -> {kernel}{how}"
+        f"{jax.__version__}); attention_kernel {model.attention_kernel} -> {kernel}{how}"
     )
+    if mesh is not None and len(orders := row_orders(model, mesh)) > 1:
+        line += f"; rows with their own schedules: {', '.join(orders)}"
+    return line
 
 
 def format_info(config: Config, source: str, axis_sizes: dict[str, int], num_devices: int) -> str:
