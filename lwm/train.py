@@ -163,12 +163,7 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
     # host checks against its own rows.
     orders = row_orders(model_cfg, mesh)
     on_host = len(orders) > 1 and not _many_processes()
-    planned = (
-        len(orders) > 1
-        and not on_host
-        and "in_order" in orders
-        and hasattr(loader, "last_look_back")
-    )
+    planned = not on_host and "in_order" in orders and hasattr(loader, "last_look_back")
     order_layout = sequence_layout(model_cfg, sp)
     steps: dict[tuple[str | None, int], object] = {}
 

@@ -16,7 +16,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from data.batches import BATCH_FIELDS, WINDOW_FIELD
-from lwm.attention.blockwise import kernel_for_inputs, resolve_kernel
+from lwm.attention import cudnn
+from lwm.attention.blockwise import resolve_kernel
 from lwm.base.mesh import logical_to_spec
 from lwm.base.schedule import warmup_schedule
 from lwm.config import ModelConfig, TrainConfig, optimizer_problem
@@ -161,17 +162,28 @@ def trained_positions(hidden: jax.Array, targets: Targets, n: int):
     return jnp.take_along_axis(hidden, order[..., None], axis=1), kept, dropped
 
 
+def model_kernel(cfg: ModelConfig, platform: str) -> tuple[str, bool, str | None]:
+    """The block kernel ``cfg``'s attention runs on ``platform`` and whether it is emulated
+    (`resolve_kernel`), and why cuDNN's own kernels refuse its inputs (float32, some head
+    sizes: each attention call then runs the XLA kernel, `kernel_for_inputs`), else None."""
+    kernel, emulated = resolve_kernel(cfg.attention_kernel, platform)
+    if kernel != "cudnn" or emulated:
+        return kernel, emulated, None
+    q = jax.ShapeDtypeStruct((1, 1, cfg.num_heads, cfg.head_dim), cfg.dtype)
+    k = jax.ShapeDtypeStruct((1, 1, cfg.num_kv_heads, cfg.head_dim), cfg.dtype)
+    return kernel, emulated, cudnn.unsupported(q, k)
+
+
 def row_orders(cfg: ModelConfig, mesh: Mesh | None = None) -> tuple[str, ...]:
     """The row orders (`lwm.model.ROW_ORDERS`) whose attention schedules differ for this
     model on ``mesh``: only where attention runs on cuDNN (`lwm.attention.cudnn`; its stand-in
     off a GPU) are there more than ``any``; ``in_order`` only where each device attends over
     the whole sequence (blockwise attention, or a ring of one device)."""
     platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
-    kernel, emulated = resolve_kernel(cfg.attention_kernel, platform)
-    # What cuDNN refuses (float32, some head sizes) runs on the XLA kernel whatever the order.
-    q = jax.ShapeDtypeStruct((1, 1, cfg.num_heads, cfg.head_dim), cfg.dtype)
-    k = jax.ShapeDtypeStruct((1, 1, cfg.num_kv_heads, cfg.head_dim), cfg.dtype)
-    if cfg.attention == "dense" or kernel_for_inputs(kernel, emulated, q, k) != "cudnn":
+    kernel, _, refused = model_kernel(cfg, platform)
+    if refused:  # what cuDNN refuses runs on the XLA kernel whatever the order
+        cudnn.log_fallback(refused)
+    if cfg.attention == "dense" or kernel != "cudnn" or refused:
         return ("any",)
     sp = 1 if mesh is None else mesh.shape.get("sp", 1)
     whole = cfg.attention == "blockwise" or sp == 1

@@ -58,20 +58,15 @@ def describe_devices(config: Config, mesh: Mesh | None = None) -> str:
     attention schedules `lwm train` compiles apart (`lwm.train_step.row_orders`)."""
     import jax
 
-    from lwm.attention import cudnn
-    from lwm.attention.blockwise import resolve_kernel
-    from lwm.train_step import row_orders
+    from lwm.train_step import model_kernel, row_orders
 
     model = config.model
     devices = jax.devices()
     kinds = sorted({d.device_kind for d in devices})
-    kernel, emulated = resolve_kernel(model.attention_kernel, devices[0].platform)
+    kernel, emulated, refused = model_kernel(model, devices[0].platform)
     how = " (emulated)" if emulated else ""
-    if kernel == "cudnn" and not emulated:
-        q = jax.ShapeDtypeStruct((1, 1, model.num_heads, model.head_dim), model.dtype)
-        k = jax.ShapeDtypeStruct((1, 1, model.num_kv_heads, model.head_dim), model.dtype)
-        if reason := cudnn.unsupported(q, k):  # as each attention call falls back
-            kernel, how = "xla", f": cudnn refuses {reason}"
+    if refused:  # as each attention call falls back
+        kernel, how = "xla", f": cudnn refuses {refused}"
     line = (
         f"# devices: {len(devices)} x {', '.join(kinds)} ({devices[0].platform}, jax "
         f"{jax.__version__}); attention_kernel {model.attention_kernel} -> {kernel}{how}"
