@@ -114,7 +114,6 @@ def test_info_names_the_kernel_that_runs_and_the_rows_with_their_own_schedules(m
     import jax
     from jax._src.cudnn import fused_attention_stablehlo as fa
 
-    import lwm.attention.blockwise as blockwise
     import lwm.train_step as ts
     from lwm.base.mesh import make_mesh
     from lwm.commands.info import describe_devices
@@ -133,8 +132,7 @@ def test_info_names_the_kernel_that_runs_and_the_rows_with_their_own_schedules(m
     assert describe_devices(cfg, one).endswith("attention_kernel xla -> xla")
 
     monkeypatch.setattr(fa, "check_cudnn_version", lambda: 91000)  # a GPU's cuDNN
-    for module in (ts, blockwise):
-        monkeypatch.setattr(module, "resolve_kernel", lambda k, p=None: ("cudnn", False))
+    monkeypatch.setattr(ts, "resolve_kernel", lambda k, p=None: ("cudnn", False))
     cfg = load_config(CONFIGS / "tiny.yaml", ["model.attention_kernel=auto"])
     assert describe_devices(cfg, one).endswith(
         "attention_kernel auto -> xla: cudnn refuses dtype float32 (cuDNN's flash attention "
