@@ -3,7 +3,8 @@ persistent compilation cache for the session (a fresh folder per run), shared wi
 subprocesses the tests start: the same programs compiled again (the train step of every
 `lwm train` run of tests/test_train.py) are loaded instead of compiled. A cached program is
 the compiled executable itself, so results are unchanged (the resume tests compare losses
-bit for bit between a fresh and a cached compile).
+bit for bit between a fresh and a cached compile). The folder (about 190 MB after the whole
+suite) is removed when the run ends.
 
 On the CPU, XLA's backend compiles at LLVM -O0 here (``--xla_backend_optimization_level=0``):
 the tests' programs are small, so compiling them is most of their time, and -O0 takes about a
@@ -13,6 +14,7 @@ subprocesses keep it (`subprocess_xla_flags`), except the one training that runs
 machine (2026-12-05)."""
 
 import os
+import shutil
 import tempfile
 
 DEVICES = "--xla_force_host_platform_device_count=8"
@@ -21,9 +23,18 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # a GPU run of the cuDNN tests se
 for _flag in (DEVICES, FAST_COMPILE) if os.environ["JAX_PLATFORMS"] == "cpu" else (DEVICES,):
     if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
+OWN_CACHE = None  # the compilation cache this run made, removed when it ends
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="lwm-tests-jax-cache-")
+    OWN_CACHE = tempfile.mkdtemp(prefix="lwm-tests-jax-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = OWN_CACHE
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.5"
+
+
+def pytest_unconfigure(config) -> None:
+    """Remove this run's compilation cache: every run makes a fresh one, and each left behind
+    held about 190 MB of the temporary folder."""
+    if OWN_CACHE is not None:
+        shutil.rmtree(OWN_CACHE, ignore_errors=True)
 
 
 def subprocess_xla_flags(*, fast_compile: bool = True) -> str:
