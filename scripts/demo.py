@@ -140,6 +140,12 @@ def main() -> int:
     p.add_argument(
         "--mesh", help="dp,fsdp,sp,tp of the world model (default 1,1,2,1; 1,1,1,1 on a gpu)"
     )
+    p.add_argument(
+        "--videos-only",
+        action="store_true",
+        help="make the videos (step 1) and stop: what a machine without PyAV, which writes "
+        "them, is given with the rest (scripts/gpu_session.sh wheels)",
+    )
     args = p.parse_args()
     if args.mesh is None:
         args.mesh = "1,1,1,1" if args.platform == "gpu" else "1,1,2,1"
@@ -191,6 +197,9 @@ def main() -> int:
     also = ["--also-manifest", "shapes.jsonl:shape"] if args.shapes_first_steps > 0 else []
     videos(train_videos, args.videos, 0, *also)
     videos(held_out, args.held_out, 1)
+    if args.videos_only:
+        print(f"demo: videos made in {time.perf_counter() - start:.0f} s under {out / 'videos'}")
+        return 0
 
     # 2. the VQGAN (resumes from its checkpoints when rerun)
     vqgan = out / "vqgan"

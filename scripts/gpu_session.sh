@@ -2,15 +2,22 @@
 # The NVIDIA GPU checks of issue 16 (cuDNN block kernel, GPU train step), prepared to run on
 # the lent H200 through the device tool in two calls of a few minutes each. That machine has
 # JAX with CUDA, flax, optax and orbax but not pydantic, tensorboardX or ringattention: they
-# travel as wheels. Here, first (pip works here, not there):
+# travel as wheels, with the demo's video and dataset packages. Here, first (pip works here,
+# not there; about a minute):
 #
-#   echo /.whl/ >> .git/info/exclude
-#   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-#       --implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-#       -d .whl pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
-#       typing-inspection==0.4.5 tensorboardX==2.6.5 ringattention==0.1.2
+#   bash scripts/gpu_session.sh wheels
 #
-# then run, with carry [".whl"] and timeout_s 540:
+# downloads them into .whl and .whl-demo (both added to .git/info/exclude) and makes the
+# demo's videos (runs/demo/videos, about 14 MB, so that PyAV need not travel). Then, before
+# the first device call, here on the CPU (no wheels needed, about 2 minutes; check_demo about 3):
+#
+#   PYTHON=.venv/bin/python bash scripts/gpu_session.sh check
+#   PYTHON=.venv/bin/python bash scripts/gpu_session.sh check_demo
+#
+# runs the attention and train parts' commands at small sizes (check_demo: the demo, tiny),
+# each Python process refusing any package the project imports that neither the GPU
+# machine's image nor the wheels supply (scripts/gpu_image_check.py), so that a missing import
+# fails here, not there. Then run, with carry [".whl"] and timeout_s 540:
 #
 #   bash scripts/gpu_session.sh attention   # parity tests, bench_attention (about 4 minutes)
 #   bash scripts/gpu_session.sh train       # bench_train 8K/32K, lwm train tiny (about 5)
@@ -24,31 +31,29 @@
 #                                           # train steps 8K-128K, cuDNN's packed layout
 #                                           # (probe_cudnn_packed.py), packed rows (about 6)
 #
-# The README's demo on the GPU (`scripts/demo.py --platform gpu`) needs the video and dataset
-# packages too. Make its videos here (`python scripts/demo.py` stopped after its first two
-# steps, or copied from a CPU run: runs/demo/videos, about 14 MB), so that PyAV (36 MB) need
-# not travel, and download into .whl-demo (also excluded from git), with the command above:
-#   tensorflow-datasets==4.9.10 array_record==0.8.6 grain==0.2.18 decord==0.6.0 dm-tree==0.1.10
-#   immutabledict==4.3.1 simple_parsing==0.1.9 tensorflow-metadata==1.21.0 termcolor==3.3.0
-#   toml==0.10.2 portpicker==1.6.0 docstring_parser==0.18.0 googleapis-common-protos==1.76.0
-#   and promise==2.3 (a source archive: `pip download --no-deps --no-binary=:all:`); 22 MB.
-# Then, with carry [".whl", ".whl-demo", "runs/demo/videos"]:
+# and the README's demo on the GPU, with carry [".whl", ".whl-demo", "runs/demo/videos"]:
 #
 #   bash scripts/gpu_session.sh demo        # the demo on one GPU, timed
 #
-# Before the first device call, here on the CPU (no wheels needed, about 2 minutes):
-#
-#   PYTHON=.venv/bin/python bash scripts/gpu_session.sh check
-#
-# runs the attention and train parts' commands at small sizes with the packages the H200 image
-# lacks and nothing carries (tensorflow-datasets, grain, array_record, decord, PyAV, ...) made
-# unimportable, so an import that only the demo's packages satisfy fails here, not there.
-#
 # Every step writes its log under $OUT (what comes back); the last lines of each are printed.
 set -uo pipefail
-part=${1:?usage: gpu_session.sh check|first|second|attention|train|train_more|longest|packed|profile|demo}
+part=${1:?usage: gpu_session.sh wheels|check|check_demo|first|second|attention|train|train_more|longest|packed|profile|demo}
 out=${OUT:-/tmp/gpu_session}
 mkdir -p "$out"
+
+# What the GPU machine's image lacks (the device library's KINDS.md), carried as wheels for
+# its Python 3.12: for every part, and for the demo (promise has no wheel: its source archive)
+WHEELS="pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
+    tensorboardX==2.6.5 ringattention==0.1.2"
+DEMO_WHEELS="tensorflow-datasets==4.9.10 array_record==0.8.6 grain==0.2.18 decord==0.6.0
+    dm-tree==0.1.10 immutabledict==4.3.1 simple_parsing==0.1.9 tensorflow-metadata==1.21.0
+    termcolor==3.3.0 toml==0.10.2 portpicker==1.6.0 docstring_parser==0.18.0
+    googleapis-common-protos==1.76.0"
+DEMO_SOURCES="promise==2.3"
+names() {  # the distributions of pinned requirements, comma-separated
+    local n
+    for n in "$@"; do printf '%s,' "${n%%==*}"; done
+}
 
 step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $out/NAME.log
     local name=$1 limit=$2
@@ -59,28 +64,37 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $out/NAM
     tail -n 4 "$out/$name.log" | cut -c1-400
 }
 
-if [ "$part" = check ]; then
+if [ "$part" = wheels ]; then
+    py=${PYTHON:-python3}
+    for d in .whl .whl-demo; do
+        grep -qx "/$d/" .git/info/exclude 2>/dev/null || echo "/$d/" >>.git/info/exclude
+    done
+    target=(--python-version 3.12 --implementation cp)
+    for tag in manylinux_2_28 manylinux_2_27 manylinux_2_17 manylinux2014 manylinux1; do
+        target+=(--platform "${tag}_x86_64")
+    done
+    # shellcheck disable=SC2086
+    "$py" -m pip download -q --no-deps --only-binary=:all: "${target[@]}" -d .whl $WHEELS &&
+        "$py" -m pip download -q --no-deps --only-binary=:all: "${target[@]}" -d .whl-demo \
+            $DEMO_WHEELS &&
+        "$py" -m pip download -q --no-deps --no-binary=:all: -d .whl-demo $DEMO_SOURCES || exit 1
+    du -sh .whl .whl-demo
+    if [ ! -f runs/demo/videos/held_out/manifest.jsonl ]; then
+        "$py" scripts/demo.py --videos-only || exit 1
+    fi
+    du -sh runs/demo/videos
+    exit 0
+fi
+if [ "$part" = check ] || [ "$part" = check_demo ]; then
     py=${PYTHON:-python3}
     block=$(mktemp -d)
-    cat >"$block/sitecustomize.py" <<'PY'
-import importlib.abc
-import sys
-
-MISSING = {"array_record", "av", "decord", "docstring_parser", "grain", "immutabledict",
-           "portpicker", "promise", "simple_parsing", "tensorflow_datasets",
-           "tensorflow_metadata", "termcolor", "toml", "tree"}
-
-
-class Missing(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in MISSING:
-            raise ImportError(f"not on the H200 image: {name}")
-        return None
-
-
-sys.meta_path.insert(0, Missing())
-PY
-    export PYTHONPATH="$block:$PWD" PYTHONUNBUFFERED=1 JAX_PLATFORMS=cpu
+    cp scripts/gpu_image_check.py "$block/sitecustomize.py"
+    # shellcheck disable=SC2086
+    carried=$(names $WHEELS)
+    export PYTHONPATH="$block:$PWD" PYTHONUNBUFFERED=1 JAX_PLATFORMS=cpu LWM_CHECK_ROOT=$PWD
+    export LWM_CARRIED=$carried
+fi
+if [ "$part" = check ]; then
     step check_info 120 "$py" -m lwm info configs/tiny.yaml model.attention_kernel=auto
     step check_parity 300 "$py" -m pytest -q -p no:cacheprovider tests/test_cudnn_attention.py
     step check_bench_attention 300 "$py" scripts/bench_attention.py --platform cpu --seqs 512 \
@@ -98,6 +112,19 @@ PY
     step check_tiny 300 "$py" -m lwm train --config configs/tiny.yaml train.steps=2 \
         train.output_dir="$out/check_tiny" train.batch_size=1 model.attention_kernel=auto
     rm -rf "$block"
+    exit 0
+fi
+if [ "$part" = check_demo ]; then  # the demo, tiny, as `demo` runs it there (its videos made
+    # first, as `wheels` makes them, without the check: PyAV writes them)
+    # shellcheck disable=SC2086
+    export LWM_CARRIED=$carried$(names $DEMO_WHEELS $DEMO_SOURCES)
+    tiny=(--out "$out/check_demo" --videos 8 --held-out 2 --vqgan-steps 2 --lm-steps 2
+        --shapes-first-steps 1 --mesh 1,1,1,1)
+    rm -rf "$out/check_demo"
+    step check_demo_videos 120 env PYTHONPATH="$PWD" "$py" scripts/demo.py "${tiny[@]}" \
+        --videos-only
+    step check_demo 400 "$py" scripts/demo.py "${tiny[@]}"
+    rm -rf "$block" "$out/check_demo"
     exit 0
 fi
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
