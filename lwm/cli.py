@@ -38,12 +38,18 @@ def user_errors() -> tuple[type[BaseException], ...]:
     module: `lwm tokenize`'s decoding workers import this module again when the console script
     starts them, and need no JAX.)"""
     from lwm.base.mesh import MeshError
+    from lwm.commands import UsageError
+    from lwm.runs import CheckpointMismatchError
+    from lwm.weights.common import WeightsError
 
     return (
         ConfigError,
         MeshError,
         FileNotFoundError,
         LockedError,  # the output is in use by another run
+        WeightsError,  # weights to load that are missing or do not fit the config
+        CheckpointMismatchError,
+        UsageError,  # a flag's value the verb cannot use
     )
 
 
@@ -92,6 +98,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return status
     except user_errors() as e:
         message = " ".join(str(e).split())
+        print(f"lwm {top.command}: error: {message}", file=sys.stderr)
+        return 2
+    except (IsADirectoryError, NotADirectoryError, FileExistsError, PermissionError) as e:
+        # a path given where another kind of thing is, or one that may not be written
+        message = f"'{e.filename}': {e.strerror}" if e.filename else " ".join(str(e).split())
         print(f"lwm {top.command}: error: {message}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # the reader left (`lwm info ... | head`): stop without a trace

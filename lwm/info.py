@@ -136,6 +136,25 @@ def param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
     return specs
 
 
+def shape_differences(found: ModelConfig, wanted: ModelConfig) -> list[str]:
+    """Why the parameters of a model configured as ``found`` would not fit one configured as
+    ``wanted`` (`param_specs` differ): each setting that alone changes them, as ``model.KEY:
+    FOUND there, WANTED here`` (every differing setting where none does alone); [] where they
+    fit (a longer context, another rope theta or attention kernel)."""
+    if param_specs(found) == param_specs(wanted):
+        return []
+    changed = [k for k in type(found).model_fields if getattr(found, k) != getattr(wanted, k)]
+    alone = [
+        k
+        for k in changed
+        if param_specs(found.model_copy(update={k: getattr(wanted, k)})) != param_specs(found)
+    ]
+    return [
+        f"model.{k}: {getattr(found, k)} there, {getattr(wanted, k)} here"
+        for k in (alone or changed)
+    ]
+
+
 def param_counts(cfg: ModelConfig) -> ParamCounts:
     """Parameter counts of the text model and of the vision embedding + head."""
     text = vision = 0

@@ -24,6 +24,11 @@ from lwm.model import LWMModel, abstract_params
 Log = Callable[[str], None]
 
 
+class CheckpointMismatchError(ValueError):
+    """A checkpoint holds parameters of other shapes than the config asks for: not damage, so
+    nothing is renamed and nothing is trained over it."""
+
+
 def _stderr(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -52,16 +57,25 @@ def save_checkpoint(manager, step: int, params, opt_state, meta: dict) -> None:
     )
 
 
-def restore_newest(manager, abstract_state: dict, log: Log = _stderr, *, partial: bool = False):
+def restore_newest(
+    manager,
+    abstract_state: dict,
+    log: Log = _stderr,
+    *,
+    partial: bool = False,
+    set_aside: bool = True,
+):
     """``(step, state, meta)`` of the newest checkpoint that restores, or None. Damaged ones
-    are reported and renamed ``STEP.damaged-TIME`` (kept for inspection, out of the way of the
-    steps about to be redone). ``partial``: restore only the entries of ``abstract_state``
-    (e.g. the parameters without the optimizer state)."""
+    are reported and, with ``set_aside`` (training, which redoes their steps), renamed
+    ``STEP.damaged-TIME`` (kept for inspection, out of the way of the steps about to be
+    redone); a reader leaves the run as it is. ``partial``: restore only the entries of
+    ``abstract_state`` (e.g. the parameters without the optimizer state). Parameters of other
+    shapes than ``abstract_state``'s raise `CheckpointMismatchError`."""
     damaged: list[int] = []
     try:
         return _first_restorable(manager, abstract_state, log, damaged, partial)
     finally:
-        if damaged:
+        if damaged and set_aside:
             if jax.process_index() == 0:
                 root = Path(manager.directory)
                 for step in damaged:
@@ -88,6 +102,11 @@ def _first_restorable(manager, abstract_state, log: Log, damaged: list[int], par
             )
         except Exception as e:  # orbax raises many types for a truncated or missing file
             reason = " ".join(str(e).split())[:300]
+            if "not compatible with the stored shape" in reason:
+                raise CheckpointMismatchError(
+                    f"checkpoint {step} in '{manager.directory}' holds parameters of other "
+                    f"shapes than the config asks for ({reason})"
+                ) from None
             log(
                 f"checkpoint {step} cannot be restored ({type(e).__name__}: {reason}); "
                 "trying the previous one"
@@ -116,7 +135,7 @@ def load_run(
     graphdef, abs_params = abstract_params(cfg.model, mesh)
     manager = checkpoint_manager(checkpoints, cfg)
     try:
-        found = restore_newest(manager, {"params": abs_params}, log, partial=True)
+        found = restore_newest(manager, {"params": abs_params}, log, partial=True, set_aside=False)
     finally:
         manager.close()
     if found is None:

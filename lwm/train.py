@@ -91,6 +91,17 @@ class QAEvaluator:
             f"{ec.manifest}" + (f"; blind baseline from {train_manifest}" if self.blind else "")
         )
 
+    @staticmethod
+    def check_inputs(cfg: Config) -> None:
+        """Before anything is written: the manifests the evaluation reads are there."""
+        ec = cfg.eval
+        for key, path in (
+            ("eval.manifest", ec.manifest),
+            ("eval.train_manifest", ec.train_manifest),
+        ):
+            if path and not Path(path).is_file():
+                raise TrainingError(f"{key} '{path}' not found (expected a .jsonl manifest)")
+
     def __call__(self, params, step: int) -> dict[str, float]:
         from lwm.qa_eval import evaluate
 
@@ -133,9 +144,11 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
     layout = row_permutation(model_cfg, seq_len, sp)  # the order the model's attention assumes
 
     output = Path(tc.output_dir)
+    QAEvaluator.check_inputs(cfg)
     tx, schedule = optimizer_from_config(tc)
     graphdef, abs_params, abs_opt = abstract_train_state(model_cfg, mesh, tx)
     shardings = jax.tree.map(lambda x: x.sharding, {"params": abs_params, "opt_state": abs_opt})
+    _check_same_model(output, model_cfg)
     loader = build_loader(cfg, seq_len, layout)
     manager = checkpoint_manager(output / "checkpoints", cfg)
 
@@ -346,6 +359,28 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
 def _many_processes() -> bool:
     """Whether this run spans many processes (`jax.distributed`)."""
     return jax.process_count() > 1
+
+
+def _check_same_model(output: Path, model_cfg) -> None:
+    """Refuse to resume a run of another model in ``output`` (its config.yaml and checkpoints):
+    its checkpoints would not restore, and training from scratch there would bury them."""
+    from lwm.config import ConfigError, load_config
+    from lwm.info import shape_differences
+
+    saved = output / "config.yaml"
+    checkpoints = output / "checkpoints"
+    if not saved.is_file() or not any(p.name.isdigit() for p in checkpoints.glob("*")):
+        return
+    try:
+        found = load_config(saved).model
+    except ConfigError:  # a config of another version: the checkpoints themselves decide
+        return
+    differences = shape_differences(found, model_cfg)
+    if differences:
+        raise TrainingError(
+            f"train.output_dir '{output}' holds a run of another model ({'; '.join(differences)});"
+            " resume it with its own model settings, or choose another train.output_dir"
+        )
 
 
 def _initial_params(cfg, model_cfg, mesh, log, metadata=None):

@@ -262,6 +262,49 @@ def test_damaged_latest_checkpoint_falls_back(tmp_path):
     assert sorted(got) == list(range(1, 10))
 
 
+def test_a_reader_of_a_run_leaves_its_damaged_checkpoint_alone(tmp_path):
+    """Loading a run for inference (`load_run`, as `lwm ask` does) skips a damaged newest
+    checkpoint without renaming it: only training, which redoes its steps, sets it aside."""
+    from lwm.runs import load_run
+
+    args = ("train.save_every=2", "mesh.shape=1,2,2,2")
+    assert lwm_train_here(tmp_path, "train.steps=4", *args).returncode == 0
+    for p in (tmp_path / "checkpoints" / "4").rglob("*"):
+        if p.is_file() and p.stat().st_size > 0 and "state" in p.parts:
+            with open(p, "r+b") as f:
+                f.truncate(p.stat().st_size // 2)
+    said = []
+    load_run(tmp_path, log=said.append)
+    assert said[0].startswith("checkpoint 4 cannot be restored") and "at step 2" in said[-1]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["2", "4"]
+
+
+def test_a_rerun_with_another_model_is_refused_and_changes_nothing(tmp_path):
+    """A run's folder resumed with other model shapes: one line naming the settings, and its
+    checkpoints and config untouched (they used to be set aside as damaged, and the run
+    started over on top of them). Bad input to a new folder leaves no folder behind."""
+    out, mesh = tmp_path / "run", "mesh.shape=1,2,2,2"
+    assert lwm_train_here(out, "train.steps=2", "train.save_every=2", mesh).returncode == 0
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != ".lock"}
+    r = lwm_train_here(out, "train.steps=4", "model.intermediate_size=96", mesh)
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"lwm train: error: train.output_dir '{out}' holds a run of another model "
+        "(model.intermediate_size: 128 there, 96 here); resume it with its own model settings, "
+        "or choose another train.output_dir"
+    )
+    after = {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != ".lock"}
+    assert after == before
+    for bad, message in [
+        ("eval.manifest=/nowhere.jsonl", "eval.manifest '/nowhere.jsonl' not found"),
+        (f"train.init_from=foo:{out}", f"'foo:{out}': unknown format 'foo:'"),
+        ("data.source=/nowhere", "'/nowhere' is not a token dataset"),
+    ]:
+        r = lwm_train_here(tmp_path / "new", "train.steps=2", mesh, bad)
+        assert r.returncode in (1, 2) and message in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr and not (tmp_path / "new").exists(), bad
+
+
 def test_a_muon_run_resumes_to_the_same_losses(tmp_path):
     """Muon's state (its momentum on the blocks' matrices, AdamW's moments on the rest, each
     masked to its share) goes through the checkpoint: steps 4-6 redone from checkpoint 3 equal

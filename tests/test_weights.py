@@ -478,3 +478,19 @@ def test_format_detection_and_missing_sources(tmp_path):
         load_model(f"orbax:{tmp_path / 'nowhere'}", lwm_cfg())
     with pytest.raises(WeightsError, match="no config.json"):
         load_model(f"hf:{tmp_path}", lwm_cfg())
+    with pytest.raises(WeightsError, match=r"'foo:/x': unknown format 'foo:' \(known: hf:, lwm:"):
+        load_model("foo:/x", lwm_cfg())
+
+
+def test_shape_differences_name_the_settings_that_change_the_parameters():
+    from lwm.info import shape_differences
+
+    cfg = lwm_cfg()
+    longer = cfg.model_copy(update={"max_seq_len": 4 * cfg.max_seq_len, "rope_theta": 1e6})
+    assert shape_differences(cfg, longer) == []  # a context stage: the same parameters
+    wider = cfg.model_copy(update={"intermediate_size": 2 * cfg.intermediate_size})
+    assert shape_differences(cfg, wider) == [
+        f"model.intermediate_size: {cfg.intermediate_size} there, {2 * cfg.intermediate_size} here"
+    ]
+    both = wider.model_copy(update={"rope_theta": 1e6})  # the theta changes no shape: not named
+    assert shape_differences(cfg, both) == shape_differences(cfg, wider)

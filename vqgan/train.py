@@ -44,7 +44,7 @@ from vqgan.losses import get_perceptual, hinge_d_loss, hinge_g_loss, psnr, recon
 from vqgan.model import VQGAN, host_init, init_model
 from vqgan.preprocess import postprocess
 from vqgan.quantizer import code_counts, restart_dead_codes, update_usage, usage_stats
-from vqgan.weights import save_weights, write_config
+from vqgan.weights import WeightsError, save_weights, write_config
 
 __all__ = ["TrainState", "create_state", "evaluate", "make_train_step", "step_phase", "train"]
 
@@ -255,6 +255,31 @@ def _grid(originals: np.ndarray, recon: np.ndarray, min_size: int = 128) -> np.n
     return np.repeat(np.repeat(grid, scale, axis=0), scale, axis=1)
 
 
+def _check_same_model(out: Path, cfg: VQGANConfig) -> None:
+    """Refuse to resume a run of another VQGAN in ``out`` (its config.yaml and checkpoints):
+    its checkpoints would not restore, and its config.yaml would be overwritten."""
+    from lwm.base.config import ConfigError
+    from vqgan.config import load_vqgan_config
+
+    saved = out / "config.yaml"
+    if not saved.is_file() or not any(p.name.isdigit() for p in (out / "checkpoints").glob("*")):
+        return
+    try:
+        found = load_vqgan_config(saved).model
+    except ConfigError:  # a config of another version: the checkpoints themselves decide
+        return
+    changed = [
+        f"model.{k}: {getattr(found, k)} there, {getattr(cfg.model, k)} here"
+        for k in type(found).model_fields
+        if getattr(found, k) != getattr(cfg.model, k)
+    ]
+    if changed:
+        raise WeightsError(
+            f"train.output_dir '{out}' holds a run of another VQGAN ({'; '.join(changed)}); "
+            "resume it with its own model settings, or choose another train.output_dir"
+        )
+
+
 def train(
     cfg: VQGANConfig,
     *,
@@ -272,6 +297,7 @@ def train(
 
     t = cfg.train
     out = Path(t.output_dir)
+    _check_same_model(out, cfg)
     out.mkdir(parents=True, exist_ok=True)
     write_config(out, cfg)
     data = batch_devices(mesh)

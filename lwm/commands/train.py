@@ -10,6 +10,7 @@ Ctrl-C saves a checkpoint first. Metrics: OUTPUT/metrics.jsonl and OUTPUT/tensor
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 from pathlib import Path
 
@@ -38,6 +39,9 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     out = cfg.train.output_dir
+    if Path(out).exists() and not Path(out).is_dir():
+        raise FileExistsError(f"train.output_dir '{out}' is a file, not a folder")
+    new = not Path(out).exists()
     init_distributed(cfg.distributed)  # before anything asks JAX for its devices
     mesh = make_mesh(cfg.mesh.shape)  # the one mesh of this process
     try:
@@ -50,11 +54,31 @@ def run(args: argparse.Namespace) -> int:
         ):
             result = train(cfg, mesh=mesh)
     except TrainingError as e:
+        _remove_if_untrained(Path(out), new)
         print(f"lwm train: error: {e}", file=sys.stderr)
         return 1
+    except BaseException:
+        _remove_if_untrained(Path(out), new)
+        raise
     if result.stopped_by is not None:
         return 128 + {"SIGINT": 2, "SIGTERM": 15}.get(result.stopped_by, 0)
     print(
         f"lwm train: done at step {result.step}; checkpoints and metrics in {out}", file=sys.stderr
     )
     return 0
+
+
+def _remove_if_untrained(out: Path, new: bool) -> None:
+    """Remove the output folder a run made and stopped in before its first step: bad input
+    leaves nothing behind. A run that trained keeps its metrics; one job of many processes
+    keeps everything (they share the folder)."""
+    import jax
+
+    if not new or jax.process_count() > 1 or not out.is_dir():
+        return
+    metrics = out / "metrics.jsonl"
+    if metrics.is_file() and metrics.stat().st_size > 0:
+        return
+    if any(p.name.isdigit() for p in (out / "checkpoints").glob("*")):
+        return
+    shutil.rmtree(out, ignore_errors=True)

@@ -56,6 +56,9 @@ def detect_format(source: str | os.PathLike) -> tuple[str, str]:
         return fmt, rest
     path = Path(text)
     if not path.exists():
+        if sep and fmt.isidentifier():  # e.g. `foo:DIR`: a format that does not exist
+            known = ", ".join([f"{f}:" for f in FORMATS] + list(_LWM_LOAD_TYPES))
+            raise WeightsError(f"'{text}': unknown format '{fmt}:' (known: {known})")
         raise WeightsError(f"checkpoint '{path}' does not exist")
     if path.is_file():
         return "lwm", text
@@ -97,9 +100,10 @@ def load_model(
 
 def _check_same_shapes(found: ModelConfig, wanted: ModelConfig, where: str) -> None:
     """A run's model may differ in sequence length or rope theta (context stages), not shape."""
-    from lwm.info import param_specs
+    from lwm.info import shape_differences
 
-    if param_specs(found) != param_specs(wanted):
+    if differences := shape_differences(found, wanted):
         raise WeightsError(
-            f"the model of run '{where}' has other parameter shapes than the config asks for"
+            f"the model of run '{where}' has other parameter shapes than the config asks for "
+            f"({'; '.join(differences)})"
         )
