@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import sys
 import time
 from collections import deque
@@ -406,7 +407,8 @@ def _finish(
             "fixing the inputs)"
         )
         return summary
-    if summary.ok == 0:
+    if summary.ok == 0:  # nothing worth resuming: a rerun after fixing the inputs starts anew
+        shutil.rmtree(work, ignore_errors=True)
         raise TokenizeError(f"no item could be tokenized; nothing written (see {errors_path})")
     publish(work, out, infos, job)
     summary.published = True

@@ -254,7 +254,16 @@ class TextCodec:
         folder = Path(path) if path is not None else Path(__file__).parent / "tokenizer"
         if not folder.is_dir():
             raise FileNotFoundError(f"tokenizer folder '{folder}' not found")
-        return cls(AutoTokenizer.from_pretrained(str(folder)), str(folder))
+        known = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
+        if not any((folder / name).is_file() for name in known):
+            raise FileNotFoundError(
+                f"tokenizer folder '{folder}' holds no tokenizer (none of {', '.join(known)})"
+            )
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(folder))
+        except (OSError, ValueError) as e:
+            raise ValueError(f"tokenizer folder '{folder}' cannot be loaded: {e}") from None
+        return cls(tokenizer, str(folder))
 
     def encode(self, text: str) -> list[int]:
         ids = self._encoded.get(text)

@@ -153,3 +153,90 @@ def test_the_command_line_module_imports_no_jax() -> None:
     code = "import sys, lwm.cli; print(sorted(m for m in ('jax', 'flax') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+BAD_ARGUMENTS = [
+    (["synthetic", "--count", "0"], "argument --count: expected a positive integer, got '0'"),
+    (["synthetic", "--size", "31"], "argument --size: expected an even integer >= 2, got '31'"),
+    (["synthetic", "--needle-prob", "2"], "argument --needle-prob: expected a number from 0 to 1"),
+    (["synthetic", "--max-objects", "0"], "argument --max-objects: expected a positive integer"),
+    (["synthetic", "--fps", "-3"], "argument --fps: expected a positive integer, got '-3'"),
+    (["ask", "--model", "run:x", "--video", "v.mp4", "--question", " "], "expected some text"),
+    (["ask", "--model", "run:x", "--video", "v", "--question", "q", "--top-p", "2"], "--top-p"),
+    (["ask", "--model", "run:x", "--video", "v", "--question", "q", "--temperature", "-1"],
+     "argument --temperature: expected a number >= 0"),
+    (["ask", "--model", "run:x", "--video", "v", "--question", "q", "--fps", "0"],
+     "argument --fps: expected a positive number, got '0'"),
+    (["vqgan", "encode", "v.mp4", "--checkpoint", "x", "--max-frames", "-2"], "--max-frames"),
+    (["vqgan", "decode", "c.npy", "--checkpoint", "x", "--out", "x.mp4", "--fps", "0"], "--fps"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("argv,message", BAD_ARGUMENTS, ids=lambda a: " ".join(a)[:40])
+def test_bad_values_are_refused_before_any_work(argv, message, tmp_path, capsys) -> None:
+    from lwm.cli import main
+
+    out = ["--out", str(tmp_path / "out")] if argv[0] == "synthetic" else []
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, *out])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_output_of_the_wrong_kind_is_refused_before_any_work(tmp_path, capsys) -> None:
+    """A folder where a file is written, or a file where a folder is: one line, status 2,
+    before a model is loaded (the run named here does not exist: it is never reached)."""
+    from lwm.cli import main
+
+    folder, file = tmp_path / "folder.mp4", tmp_path / "file.mp4"
+    folder.mkdir()
+    file.write_bytes(b"")
+    model = ["--model", f"run:{tmp_path / 'no_run'}"]
+    cases = [
+        (["eval", "qa", *model, "--manifest", "m.jsonl", "--out", str(folder)], "is a folder"),
+        (["eval", "needle", *model, "--lengths", "100", "--out", str(file)], "is a file"),
+        (["generate", *model, "--prompt", "p", "--out", str(folder)], "is a folder"),
+        (["synthetic", "--out", str(file)], "is a file; give a folder"),
+        (["vqgan", "decode", str(file), "--checkpoint", "x", "--out", str(folder)], "is a folder"),
+        (["vqgan", "import", str(file), "--out", str(file)], "is a file; give a folder"),
+    ]
+    for argv, message in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0] and err[0].startswith("lwm "), (argv, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file.mp4", "folder.mp4"]
+    assert list(folder.iterdir()) == []
+
+
+def test_files_are_written_whole_with_the_usual_permissions(tmp_path) -> None:
+    """`atomic_path` writes under a temporary name and renames: the file gets what open()
+    would give it (0666 less the umask; mkstemp's 0600 before), and a folder in the way is
+    refused before anything is written."""
+    from lwm.base.files import write_text
+
+    old = os.umask(0o022)
+    try:
+        write_text(tmp_path / "a.txt", "x")
+        assert (tmp_path / "a.txt").stat().st_mode & 0o777 == 0o644
+        os.umask(0o077)
+        write_text(tmp_path / "b.txt", "x")
+        assert (tmp_path / "b.txt").stat().st_mode & 0o777 == 0o600
+    finally:
+        os.umask(old)
+    (tmp_path / "dir").mkdir()
+    with pytest.raises(IsADirectoryError):
+        write_text(tmp_path / "dir", "x")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "b.txt", "dir"]
+
+
+def test_many_processes_without_a_coordinator_are_refused() -> None:
+    """Else each process would run the whole job alone (`lwm tokenize --num-processes 2`)."""
+    from lwm.base.config import DistributedConfig
+    from lwm.base.distributed import init_distributed
+    from lwm.config import ConfigError
+
+    with pytest.raises(ConfigError, match="a job of 2 processes needs the coordinator's address"):
+        init_distributed(DistributedConfig(num_processes=2))
+    init_distributed(DistributedConfig(num_processes=1))  # one process: nothing to join

@@ -181,3 +181,18 @@ def test_vision_vocabulary_must_hold_the_markers() -> None:
     with pytest.raises(ConfigError, match=f"vision_vocab_size .*must exceed the <eov> id {EOV_ID}"):
         load_config(DEBUG, [f"model.vision_vocab_size={EOV_ID}"])
     assert load_config(DEBUG, [f"model.vision_vocab_size={EOV_ID + 1}"]).model.vision_vocab_size
+
+
+def test_unknown_keys_are_named_together_and_a_config_of_another_kind_says_so(tmp_path) -> None:
+    """The keys unknown in one section are named in one message with that section's valid keys
+    once; a config of another kind (a VQGAN's given to `lwm train`) says that, in a line of
+    readable length (it repeated every valid key for each unknown one: 6 KB)."""
+    (tmp_path / "two.yaml").write_text(f"base: {DEBUG}\nmodel:\n  wide: 1\n  deep: 2\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(tmp_path / "two.yaml")
+    message = str(info.value)
+    assert message.startswith("unknown config keys 'model.wide', 'model.deep'; valid keys in ")
+    assert message.count("hidden_size") == 1
+    with pytest.raises(ConfigError, match="is it a config of another kind than Config") as info:
+        load_config(CONFIGS / "vqgan" / "tiny.yaml")
+    assert len(str(info.value)) < 2000

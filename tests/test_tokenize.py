@@ -117,6 +117,20 @@ def test_folder_of_videos_with_broken_files(tmp_path, media, vqgan_dir, capsys):
     assert "0 frames encoded" in capsys.readouterr().err
     assert len(read_records(strict_out)) == 5  # the 2-frame video is fine without --min-frames
 
+    # nothing tokenizes: the errors are kept, no work folder is (nothing there to resume)
+    bad = tmp_path / "bad.jsonl"
+    name = next(n for n in broken if n != "short.mp4")
+    bad.write_text(json.dumps({"video": str(folder / name), "text": "x"}) + "\n")
+    none = tmp_path / "none"
+    assert lwm(["tokenize", "--input", str(bad), "--output", str(none), *args[4:], *FAST]) == 1
+    assert "no item could be tokenized; nothing written" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.glob("none*")) == ["none.errors.txt"]
+    # a tokenizer folder that holds none is named before any work
+    (tmp_path / "empty").mkdir()
+    extra = ["--tokenizer", str(tmp_path / "empty")]
+    assert lwm(["tokenize", *args[:2], "--output", str(none), *args[4:], *FAST, *extra]) == 2
+    assert "tokenizer folder '" in capsys.readouterr().err and not none.exists()
+
 
 def test_manifest_qa_image_text_and_llama_tokenizer(tmp_path, media, vqgan_dir, capsys):
     from PIL import Image

@@ -28,10 +28,12 @@ def test_qa_prompt_is_the_context_of_a_training_record():
 
 
 def test_ask_about_a_missing_run_is_one_clear_error(tmp_path, capsys):
-    code = lwm(
-        ["ask", "--model", f"run:{tmp_path}", "--video", "v.mp4", "--question", "What is it?"]
-    )
-    assert code == 2
+    video = tmp_path / "v.mp4"
+    question = ["--video", str(video), "--question", "What is it?"]
+    assert lwm(["ask", "--model", f"run:{tmp_path}", *question]) == 2
+    assert capsys.readouterr().err == f"lwm ask: error: video '{video}' not found\n"
+    video.write_bytes(b"")  # the video is looked for first, before any model loads
+    assert lwm(["ask", "--model", f"run:{tmp_path}", *question]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [
         f"lwm ask: error: '{tmp_path}' is not an lwm train run (expected config.yaml and "

@@ -242,6 +242,47 @@ def test_resume_equals_uninterrupted(trained: tuple[Path, Path]) -> None:
     assert sorted(p.name for p in (full / "checkpoints").iterdir() if p.name.isdigit()) == ["3"]
 
 
+def test_a_rerun_with_another_model_is_refused_and_changes_nothing(
+    trained: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """A VQGAN folder resumed with another model: one error naming the setting, before its
+    config.yaml (which the folder's weights are read with) is overwritten."""
+    import shutil
+
+    from vqgan.weights import WeightsError
+
+    run = tmp_path / "run"
+    shutil.copytree(trained[0], run)
+    before = (run / "config.yaml").read_text()
+    wider = load_vqgan_config(TINY, ["model.hidden_channels=32", f"train.output_dir={run}"])
+    with pytest.raises(WeightsError, match=r"another VQGAN \(model.hidden_channels: 16 there, 32"):
+        train(wider, mesh=make_mesh("1,-1,1,1"), source=None)
+    assert (run / "config.yaml").read_text() == before
+
+
+def test_encode_writes_the_codes_to_the_name_given(trained: tuple[Path, Path], tmp_path) -> None:
+    """`lwm vqgan encode --out NAME` writes NAME itself (np.save would add .npy to a name
+    without it, and the codes went to a hidden temporary file); a folder there is refused
+    before any work."""
+    from lwm.base.media import write_mp4
+    from lwm.cli import main
+
+    video = tmp_path / "v.mp4"
+    write_mp4(video, np.zeros((2, 16, 16, 3), np.uint8))
+    out = tmp_path / "codes"
+    assert (
+        main(["vqgan", "encode", str(video), "--checkpoint", str(trained[0]), "--out", str(out)])
+        == 0
+    )
+    assert np.load(out).shape == (1, 2, 8, 8) and sorted(os.listdir(tmp_path)) == ["codes", "v.mp4"]
+    assert (
+        main(
+            ["vqgan", "encode", str(video), "--checkpoint", str(trained[0]), "--out", str(tmp_path)]
+        )
+        == 2
+    )
+
+
 def test_step_phase() -> None:
     cfg = load_vqgan_config(TINY, ["loss.disc_start=5", "quantizer.restart_every=3"])
     phases = [step_phase(cfg, s) for s in range(8)]

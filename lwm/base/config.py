@@ -87,7 +87,25 @@ def validate_config(data: Mapping[str, Any], root: type[RootT]) -> RootT:
     try:
         return root.model_validate(data)
     except ValidationError as e:
-        raise ConfigError("; ".join(_format_error(err, root) for err in e.errors())) from None
+        errors = e.errors()
+        unknown: dict[tuple[str, ...], list[str]] = {}  # parent -> its unknown keys
+        messages = []
+        for err in errors:
+            if err["type"] == "extra_forbidden":
+                loc = _known_prefix(err["loc"], root)
+                unknown.setdefault(tuple(loc), []).append(str(err["loc"][len(loc)]))
+            else:
+                messages.append(_format_error(err, root))
+        for parent, keys in unknown.items():
+            model = _model_at(parent, root)
+            where = f"in '{'.'.join(parent)}'" if parent else "at the top level"
+            valid = ", ".join(sorted(model.model_fields)) if model else "(none)"
+            named = ", ".join(f"'{'.'.join((*parent, k))}'" for k in keys)
+            plural = "s" if len(keys) > 1 else ""
+            messages.append(f"unknown config key{plural} {named}; valid keys {where}: {valid}")
+        if sum(len(k) for k in unknown.values()) >= 5:
+            messages.append(f"is it a config of another kind than {root.__name__}?")
+        raise ConfigError("; ".join(dict.fromkeys(messages))) from None
 
 
 def config_to_yaml(config: BaseModel) -> str:
@@ -222,16 +240,10 @@ def _known_prefix(loc: Sequence[Any], root: type[BaseModel]) -> list[str]:
 
 
 def _format_error(err: Mapping[str, Any], root: type[BaseModel]) -> str:
+    """One error other than an unknown key (`validate_config` groups those)."""
     kind = err["type"]
     loc = _known_prefix(err["loc"], root)
-    if kind == "extra_forbidden":
-        loc.append(str(err["loc"][len(loc)]))
     key = ".".join(loc)
-    if kind == "extra_forbidden":
-        parent = _model_at(loc[:-1], root)
-        where = f"in '{'.'.join(loc[:-1])}'" if len(loc) > 1 else "at the top level"
-        valid = ", ".join(sorted(parent.model_fields)) if parent else "(none)"
-        return f"unknown config key '{key}'; valid keys {where}: {valid}"
     if kind == "missing":
         return f"missing required config key '{key}'"
     msg = str(err["msg"]).removeprefix("Value error, ")

@@ -21,6 +21,11 @@ def init_distributed(cfg: DistributedConfig) -> None:
     address = cfg.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
     multi_host_tpu = "," in os.environ.get("TPU_WORKER_HOSTNAMES", "")
     if cfg.enabled == "off" or (cfg.enabled == "auto" and not address and not multi_host_tpu):
+        if cfg.enabled == "auto" and not multi_host_tpu and (cfg.num_processes or 1) > 1:
+            raise ConfigError(  # else each process would run the whole job alone
+                f"a job of {cfg.num_processes} processes needs the coordinator's address "
+                "(distributed.coordinator_address, --coordinator or JAX_COORDINATOR_ADDRESS)"
+            )
         return
     if cfg.cpu_collectives != "none":
         jax.config.update("jax_cpu_collectives_implementation", cfg.cpu_collectives)

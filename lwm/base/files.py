@@ -1,6 +1,7 @@
 """Writing files so that a reader never sees half of one: everything is written to a
 temporary name beside the target (same folder, so the rename is atomic on POSIX) and renamed
 over it when complete; on any error the temporary file is removed and the target is untouched.
+The file gets the permissions a plain open() would give it (0666 less the umask).
 
     with atomic_path("out/codes.npy") as tmp:     # tmp: "out/.codes.XXXX.npy"
         np.save(tmp, codes)
@@ -10,6 +11,7 @@ over it when complete; on any error the temporary file is removed and the target
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import tempfile
@@ -27,9 +29,14 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     suffix still work), renamed to ``path`` when the block ends without an error. The parent
     folder is created if needed."""
     path = Path(path)
+    if path.is_dir():  # before anything is written beside it
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=path.suffix, dir=path.parent)
     os.close(fd)
+    umask = os.umask(0)  # mkstemp makes the file for its owner alone (0600); as open() would:
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
     try:
         yield Path(tmp)
         os.replace(tmp, path)

@@ -16,7 +16,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
+from lwm.commands import nonempty
 from lwm.commands.eval import add_model_arguments, load_video_qa
 
 
@@ -24,7 +26,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     parser.add_argument("--video", required=True, help="a video (or image) file")
     parser.add_argument(
-        "--question", action="append", required=True, help="a question (may be repeated)"
+        "--question",
+        action="append",
+        required=True,
+        type=nonempty,
+        help="a question (may be repeated)",
     )
 
 
@@ -33,6 +39,9 @@ def _log(msg: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if not Path(args.video).is_file():  # before the model loads
+        print(f"lwm ask: error: video '{args.video}' not found", file=sys.stderr)
+        return 2
     try:
         qa, _ = load_video_qa(args, _log)
         answers = qa.answer([(args.video, q) for q in args.question])

@@ -17,8 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
-from lwm.commands import positive_int
+from lwm.commands import nonempty, positive_int
 from lwm.commands.eval import add_model_arguments, load_video_qa
 
 
@@ -26,7 +27,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     parser.add_argument("--video", help="a video (or image) file; none: a text conversation")
     parser.add_argument(
-        "--question", action="append", help="a question (repeatable); default: read stdin"
+        "--question",
+        action="append",
+        type=nonempty,
+        help="a question (repeatable); default: read stdin",
     )
     parser.add_argument(
         "--max-context", type=positive_int, default=4096, help="cache slots (tokens, default 4096)"
@@ -56,6 +60,9 @@ def run(args: argparse.Namespace) -> int:
     from lwm.chat import ChatSession
     from lwm.vision_qa import video_codes
 
+    if args.video and not Path(args.video).is_file():  # before the model loads
+        print(f"lwm chat: error: video '{args.video}' not found", file=sys.stderr)
+        return 2
     try:
         qa, _ = load_video_qa(args, _log, vqgan=bool(args.video))
         codes = None

@@ -35,7 +35,15 @@ import sys
 from collections.abc import Sequence
 
 from data.synthetic import DEMO_WORLD
-from lwm.commands import add_cpu_devices, positive_int
+from lwm.commands import (
+    add_cpu_devices,
+    non_negative_float,
+    output_file,
+    output_folder,
+    positive_float,
+    positive_int,
+    top_p,
+)
 
 _SUBPARSERS: dict[str, argparse.ArgumentParser] = {}
 
@@ -60,10 +68,22 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         type=positive_int,
         help="frames per video, evenly spaced (default: as the training dataset was sampled)",
     )
-    p.add_argument("--fps", type=float, help="frame rate to sample at (default: as in training)")
-    p.add_argument("--max-new-tokens", type=positive_int, default=16)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument(
+        "--fps", type=positive_float, help="frame rate to sample at (default: as in training)"
+    )
+    p.add_argument(
+        "--max-new-tokens",
+        type=positive_int,
+        default=16,
+        help="the most tokens an answer may have (default 16)",
+    )
+    p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
+    p.add_argument(
+        "--top-p",
+        type=top_p,
+        default=1.0,
+        help="sample from the likeliest tokens whose probabilities sum to this (default 1: all)",
+    )
     p.add_argument("--batch-size", type=positive_int, default=32, help="prompts per generate call")
     p.add_argument(
         "--prefill-chunk",
@@ -74,7 +94,11 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="subcommand", required=True, metavar="SUBCOMMAND")
-    p = sub.add_parser("qa", help="QA accuracy per category: model, swapped videos, blind")
+    p = sub.add_parser(
+        "qa",
+        help="QA accuracy per category: model, swapped videos, blind",
+        description="QA accuracy per category: model, swapped videos, blind",
+    )
     add_model_arguments(p)
     p.add_argument("--manifest", required=True, help="JSONL with QA lines (held-out videos)")
     p.add_argument(
@@ -92,9 +116,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--out", help="write the JSON lines here instead of stdout")
     _SUBPARSERS["qa"] = p
 
-    p = sub.add_parser("needle", help="needle in a haystack (text, multi, video): a heatmap")
+    p = sub.add_parser(
+        "needle",
+        help="needle in a haystack (text, multi, video): a heatmap",
+        description="needle in a haystack (text, multi, video): a heatmap",
+    )
     add_model_arguments(p)
-    p.add_argument("--kind", choices=("text", "multi", "video"), default="text")
+    p.add_argument(
+        "--kind",
+        choices=("text", "multi", "video"),
+        default="text",
+        help="text: one number hidden in text; multi: --needles hidden, --asked asked; video: "
+        "frames of another shape's colour among the clips' frames (default text)",
+    )
     p.add_argument(
         "--lengths",
         type=_numbers(int),
@@ -136,7 +170,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="video: the needle's colours, which no shape of the haystack has "
         "(e.g. white,cyan; default: any colour, which the haystack then avoids)",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seed", type=int, default=0, help="draws the needles and their places (default 0)"
+    )
     p.add_argument("--out", required=True, help="folder for needle-KIND.jsonl and .png")
     _SUBPARSERS["needle"] = p
 
@@ -201,6 +237,8 @@ def run(args: argparse.Namespace) -> int:
         return _needle(args)
     from lwm.qa_eval import BlindBaseline, evaluate, read_questions
 
+    if args.out:
+        output_file("--out", args.out)
     try:
         questions = read_questions(args.manifest)
         qa, inputs = load_video_qa(args, _log)
@@ -238,9 +276,18 @@ def _needle(args: argparse.Namespace) -> int:
         video_cases,
     )
 
+    output_folder("--out", args.out)
     bad = [d for d in args.depths if not 0.0 <= d <= 1.0]
+    pairs = [f for f in ("radius", "needle_radius") if len(getattr(args, f) or [0, 0]) != 2]
+    what = None
     if bad or min(args.lengths) < 1:
         what = f"depth {bad[0]} is not in [0, 1]" if bad else "lengths must be positive"
+    elif pairs:
+        flag = "--" + pairs[0].replace("_", "-")
+        what = f"{flag}: expected LO,HI (two numbers), got {getattr(args, pairs[0])}"
+    elif args.kind == "multi" and args.asked > args.needles:
+        what = f"--asked {args.asked} is more than --needles {args.needles}"
+    if what:
         print(f"lwm eval: error: {what}", file=sys.stderr)
         return 2
     try:  # before the model loads

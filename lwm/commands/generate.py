@@ -19,7 +19,7 @@ import json
 import sys
 from pathlib import Path
 
-from lwm.commands import non_negative_int, positive_float, positive_int
+from lwm.commands import non_negative_float, non_negative_int, positive_float, positive_int
 from lwm.commands.eval import add_model_source_arguments
 
 
@@ -35,11 +35,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1.0,
         help="classifier-free guidance scale (default 1: the conditional model alone)",
     )
-    parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1)")
+    parser.add_argument(
+        "--temperature", type=non_negative_float, default=1.0, help="0 = greedy (default 1)"
+    )
     parser.add_argument(
         "--top-k", type=non_negative_int, default=0, help="sample from the k likeliest codes"
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="draws the sampled codes (default 0)")
     parser.add_argument("--fps", type=positive_int, default=8, help="frame rate of the MP4")
 
 
@@ -66,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
         problem = f"--out '{out}' must end in .mp4 or .png"
     elif suffix == ".png" and args.frames != 1:
         problem = f"--out '{out}' is a PNG, which holds one frame; --frames is {args.frames}"
+    elif out.is_dir():
+        problem = f"--out '{out}' is a folder; give a file name"
     elif not out.parent.is_dir():
         problem = f"--out '{out}': the folder '{out.parent}' does not exist"
     if problem:

@@ -14,7 +14,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from lwm.commands import non_negative_int
+from lwm.commands import (
+    even_positive_int,
+    fraction,
+    non_negative_int,
+    output_folder,
+    positive_int,
+)
 
 
 def _pair(text: str) -> tuple[float, float]:
@@ -40,14 +46,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from data.synthetic import CATEGORIES, QA_LAYOUTS, RADIUS, TRAVEL
 
     parser.add_argument("--out", required=True, help="output folder")
-    parser.add_argument("--count", type=int, default=100, help="number of videos")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--size", type=int, default=64, help="frame height and width (even)")
-    parser.add_argument("--frames", type=int, default=16, help="frames per video")
-    parser.add_argument("--fps", type=int, default=8)
-    parser.add_argument("--needle-prob", type=float, default=0.5)
+    parser.add_argument("--count", type=positive_int, default=100, help="number of videos")
     parser.add_argument(
-        "--max-objects", type=int, default=3, help="moving shapes per video, at most"
+        "--seed", type=int, default=0, help="draws every video (another seed, other videos)"
+    )
+    parser.add_argument(
+        "--size", type=even_positive_int, default=64, help="frame height and width (even)"
+    )
+    parser.add_argument("--frames", type=positive_int, default=16, help="frames per video")
+    parser.add_argument("--fps", type=positive_int, default=8, help="frames per second")
+    parser.add_argument(
+        "--needle-prob",
+        type=fraction,
+        default=0.5,
+        help="share of the videos with a needle: a shape in a colour no other has, in one frame",
+    )
+    parser.add_argument(
+        "--max-objects", type=positive_int, default=3, help="moving shapes per video, at most"
     )
     parser.add_argument(
         "--radius", type=_pair, default=RADIUS, help="LO,HI: shape radius as a fraction of --size"
@@ -104,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
     from data.chunk_encoder import usable_cores
     from data.synthetic import write_dataset
 
+    output_folder("--out", args.out)
     names = [name for name, _ in args.also_manifest]
     if len(set(names)) != len(names):
         print(f"lwm synthetic: error: --also-manifest names a file twice: {names}", file=sys.stderr)

@@ -18,7 +18,12 @@ from pathlib import Path
 
 import numpy as np
 
-from lwm.commands import add_cpu_devices
+from lwm.commands import (
+    add_cpu_devices,
+    output_file,
+    output_folder,
+    positive_int,
+)
 
 _SUBPARSERS: dict[str, argparse.ArgumentParser] = {}
 
@@ -26,29 +31,45 @@ _SUBPARSERS: dict[str, argparse.ArgumentParser] = {}
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="subcommand", required=True, metavar="SUBCOMMAND")
 
-    p = sub.add_parser("train", help="train a VQGAN (resumes from the output folder's checkpoint)")
+    p = sub.add_parser(
+        "train",
+        help="train a VQGAN (resumes from the output folder's checkpoint)",
+        description="train a VQGAN (resumes from the output folder's checkpoint)",
+    )
     p.add_argument("--config", required=True, help="YAML config, e.g. configs/vqgan/small.yaml")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. train.steps=100")
     add_cpu_devices(p)
     _SUBPARSERS["train"] = p
 
-    p = sub.add_parser("encode", help="tokenize a video (or image) into codes")
+    p = sub.add_parser(
+        "encode",
+        help="tokenize a video (or image) into codes",
+        description="tokenize a video (or image) into codes",
+    )
     p.add_argument("video", help="video file (anything decord reads) or image")
     p.add_argument("--checkpoint", required=True, help="VQGAN folder")
-    p.add_argument("--out", help="write the codes [1, T, h, w] as .npy")
-    p.add_argument("--max-frames", type=int, help="sample at most N frames, evenly spaced")
+    p.add_argument("--out", help="write the codes [1, T, h, w] to this .npy file")
+    p.add_argument("--max-frames", type=positive_int, help="sample at most N frames, evenly spaced")
     add_cpu_devices(p)
     _SUBPARSERS["encode"] = p
 
-    p = sub.add_parser("decode", help="turn codes back into frames (MP4 or PNG)")
+    p = sub.add_parser(
+        "decode",
+        help="turn codes back into frames (MP4 or PNG)",
+        description="turn codes back into frames (MP4 or PNG)",
+    )
     p.add_argument("codes", help=".npy of codes [B, T, h, w], [T, h, w] or [h, w]")
     p.add_argument("--checkpoint", required=True, help="VQGAN folder")
     p.add_argument("--out", required=True, help="x.mp4 (the first video) or x.png (all frames)")
-    p.add_argument("--fps", type=int, default=8)
+    p.add_argument("--fps", type=positive_int, default=8, help="frame rate of the MP4 (default 8)")
     add_cpu_devices(p)
     _SUBPARSERS["decode"] = p
 
-    p = sub.add_parser("import", help="import LWM's pickled VQGAN parameters as safetensors")
+    p = sub.add_parser(
+        "import",
+        help="import LWM's pickled VQGAN parameters as safetensors",
+        description="import LWM's pickled VQGAN parameters as safetensors",
+    )
     p.add_argument("pickle", help="LWM's VQGAN parameter file (a pickle)")
     p.add_argument("--out", required=True, help="output folder (config.yaml, model.safetensors)")
     p.add_argument(
@@ -119,6 +140,8 @@ def _encode(args: argparse.Namespace) -> int:
     from lwm.base.mesh import make_mesh
     from vqgan import load_tokenizer
 
+    if args.out:
+        output_file("--out", args.out)
     frames = read_video(args.video, args.max_frames)
     tok = load_tokenizer(args.checkpoint, mesh=make_mesh("1,-1,1,1"))
     codes = tok.encode(frames[None])
@@ -131,8 +154,8 @@ def _encode(args: argparse.Namespace) -> int:
         from lwm.base.files import atomic_path
 
         out = Path(args.out)
-        with atomic_path(out) as tmp:
-            np.save(tmp, codes)
+        with atomic_path(out) as tmp, open(tmp, "wb") as f:
+            np.save(f, codes)  # a file, not a name: np.save would add .npy to a name
         print(f"wrote {out}")
     else:
         print("frame 0:")
@@ -145,7 +168,7 @@ def _decode(args: argparse.Namespace) -> int:
     from lwm.base.mesh import make_mesh
     from vqgan import load_tokenizer
 
-    out = Path(args.out)
+    out = output_file("--out", args.out)
     if out.suffix.lower() not in (".png", ".mp4"):
         raise VideoError(f"--out '{out}': expected a .mp4 or .png file name")
     path = Path(args.codes)
@@ -174,6 +197,7 @@ def _import(args: argparse.Namespace) -> int:
     from vqgan.legacy_pickle import load_legacy_pickle
     from vqgan.weights import import_lwm_params, save_weights
 
+    output_folder("--out", args.out)
     cfg = load_vqgan_config(args.config) if args.config else VQGANConfig()  # default: LWM's
     tree = load_legacy_pickle(args.pickle, allow_pickle=args.allow_legacy_pickle)
     model = import_lwm_params(tree, cfg.model, source=args.pickle)
