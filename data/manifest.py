@@ -88,6 +88,10 @@ def read_inputs(path: str | os.PathLike) -> list[Item]:
         return _folder_items(path)
     if not path.is_file():
         raise FileNotFoundError(f"input '{path}' not found (expected a folder or a .jsonl)")
+    if path.suffix.lower() in VIDEO_SUFFIXES:  # one video: not read as a manifest
+        raise ManifestError(
+            f"input '{path}' is a video; give the folder of videos or a .jsonl manifest"
+        )
     return _manifest_items(path)
 
 

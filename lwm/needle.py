@@ -160,6 +160,12 @@ def text_cases(
                 ask = [0] + [int(i) for i in 1 + rng.permutation(needles - 1)[: asked - 1]]
                 questions = [QUESTION.format(city=cities[k]) for k in ask]
                 tails = [codec.encode(" " + qa_prompt(q)) for q in questions]
+                fixed = len(bos) + max(len(t) for t in tails) + sum(len(x) for x in ids)
+                if length <= fixed:
+                    raise ValueError(
+                        f"a prompt of {length} tokens cannot hold the question and the needles "
+                        f"({fixed} tokens); give lengths of more than {fixed}"
+                    )
                 room = length - len(bos) - max(len(t) for t in tails)
                 start = int(rng.integers(len(haystack.sentences)))
                 body, actual = haystack.build(room, list(zip(spots, ids, strict=True)), start)

@@ -196,3 +196,8 @@ def test_unknown_keys_are_named_together_and_a_config_of_another_kind_says_so(tm
     with pytest.raises(ConfigError, match="is it a config of another kind than Config") as info:
         load_config(CONFIGS / "vqgan" / "tiny.yaml")
     assert len(str(info.value)) < 2000
+
+
+def test_a_folder_given_as_the_config_is_named_as_such(tmp_path) -> None:
+    with pytest.raises(ConfigError, match=f"config file '{tmp_path}' is a folder; give a .yaml"):
+        load_config(tmp_path)

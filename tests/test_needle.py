@@ -111,6 +111,8 @@ def test_multi_needle_scores_the_share_of_asked_needles_found(codec):
     assert report.kind == "multi" and report.grid()[2][0, 0] == pytest.approx(0.5)
     with pytest.raises(ValueError, match="asked <= needles"):
         next(text_cases(codec, lengths=[800], depths=[0.0], needles=2, asked=3))
+    with pytest.raises(ValueError, match=r"a prompt of 5 tokens cannot hold .* more than \d+$"):
+        next(text_cases(codec, lengths=[5], depths=[0.0]))  # it said "a haystack of -13 tokens"
 
 
 def _first_of_each_case(answer):

@@ -244,3 +244,11 @@ def test_folder_inputs_with_sidecar_captions(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ManifestError, match="no videos"):
         read_inputs(tmp_path / "empty")
+
+
+def test_a_video_given_as_the_input_is_named_as_such(tmp_path):
+    """`lwm tokenize --input clip.mp4` was read as a manifest ("line 1: not valid JSON")."""
+    video = tmp_path / "clip.mp4"
+    video.write_bytes(b"\x00\x00\x00\x18ftypmp42")
+    with pytest.raises(ManifestError, match="is a video; give the folder of videos or a .jsonl"):
+        read_inputs(video)

@@ -118,6 +118,8 @@ def _load_yaml_with_base(path: Path, chain: tuple[Path, ...]) -> dict[str, Any]:
     if resolved in chain:
         cycle = " -> ".join(str(p) for p in (*chain, resolved))
         raise ConfigError(f"config file '{path}': circular 'base' chain: {cycle}")
+    if path.is_dir():
+        raise ConfigError(f"config file '{path}' is a folder; give a .yaml file")
     if not path.is_file():
         raise ConfigError(f"config file '{path}' not found")
     try:
