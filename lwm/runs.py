@@ -57,6 +57,25 @@ def save_checkpoint(manager, step: int, params, opt_state, meta: dict) -> None:
     )
 
 
+def _ignore_reads_after_a_failed_restore() -> None:
+    """After a restore fails, orbax has closed its event loop while tensorstore still reads the
+    checkpoint's other arrays; each read that ends then reports "RuntimeError: Event loop is
+    closed" as an unraisable exception (a traceback on stderr, many for a large model). Those
+    alone are dropped; every other unraisable exception goes to the hook before."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_lwm_quiet", False):
+        return
+
+    def hook(unraisable) -> None:
+        exc = unraisable.exc_value
+        if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
+            return
+        previous(unraisable)
+
+    hook._lwm_quiet = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
+
+
 def restore_newest(
     manager,
     abstract_state: dict,
@@ -101,6 +120,7 @@ def _first_restorable(manager, abstract_state, log: Log, damaged: list[int], par
                 step, args=ocp.args.Composite(state=state_args, meta=ocp.args.JsonRestore())
             )
         except Exception as e:  # orbax raises many types for a truncated or missing file
+            _ignore_reads_after_a_failed_restore()
             reason = " ".join(str(e).split())[:300]
             if "not compatible with the stored shape" in reason:
                 raise CheckpointMismatchError(
