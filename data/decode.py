@@ -18,10 +18,7 @@ naming the file and the problem (missing, empty, not a video, truncated, too few
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -29,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from data.manifest import Item
-from lwm.base.media import frames_at
+from lwm.base.media import decord_problem, frames_at, quiet_stderr
 
 __all__ = ["Decoded", "DecodeOptions", "decode_item", "sample_indices"]
 
@@ -118,14 +115,12 @@ def _read_video(path: Path, options: DecodeOptions) -> tuple[np.ndarray, int]:
 
     decord.logging.set_level(decord.logging.QUIET)
     try:
-        with _quiet_stderr():
+        with quiet_stderr():
             reader = decord.VideoReader(
                 str(path), ctx=decord.cpu(0), num_threads=options.decoder_threads
             )
     except Exception as e:
-        detail = str(e).rpartition("Error: ")[2] if "Error: " in str(e) else ""
-        detail = " ".join(detail.split())[:200] or "unknown format, or the file is damaged"
-        raise DecodeError(f"not a readable video ({detail})") from None
+        raise DecodeError(f"not a readable video ({decord_problem(e)})") from None
     total = len(reader)
     if total == 0:
         raise DecodeError("the video has no frames")
@@ -139,7 +134,7 @@ def _read_video(path: Path, options: DecodeOptions) -> tuple[np.ndarray, int]:
     for start in range(0, len(indices), _RESIZE_GROUP):  # bounded full-size frames in memory
         group = indices[start : start + _RESIZE_GROUP]
         try:
-            with _quiet_stderr():
+            with quiet_stderr():
                 frames = frames_at(reader, path, group)
         except Exception as e:
             problem = " ".join(str(e).split(": ")[-1].split())[:200]
@@ -148,23 +143,6 @@ def _read_video(path: Path, options: DecodeOptions) -> tuple[np.ndarray, int]:
             ) from None
         out.append(_resize(frames, options.resolution))
     return np.concatenate(out), total
-
-
-@contextlib.contextmanager
-def _quiet_stderr() -> Iterator[None]:
-    """Silence the native decoder's own log lines (the error line we write says it better)."""
-    try:
-        saved = os.dup(2)
-    except OSError:
-        yield
-        return
-    try:
-        with open(os.devnull, "wb") as null:
-            os.dup2(null.fileno(), 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
 
 
 @cache

@@ -260,26 +260,29 @@ def test_a_rerun_with_another_model_is_refused_and_changes_nothing(
     assert (run / "config.yaml").read_text() == before
 
 
-def test_encode_writes_the_codes_to_the_name_given(trained: tuple[Path, Path], tmp_path) -> None:
+def test_encode_writes_the_codes_to_the_name_given(
+    trained: tuple[Path, Path], tmp_path, capfd
+) -> None:
     """`lwm vqgan encode --out NAME` writes NAME itself (np.save would add .npy to a name
     without it, and the codes went to a hidden temporary file); a folder there is refused
-    before any work."""
+    before any work; a file that is no video is one line (ffmpeg's and decord's own log lines
+    came first)."""
     from lwm.base.media import write_mp4
     from lwm.cli import main
 
     video = tmp_path / "v.mp4"
     write_mp4(video, np.zeros((2, 16, 16, 3), np.uint8))
+    encode = ["vqgan", "encode", str(video), "--checkpoint", str(trained[0])]
     out = tmp_path / "codes"
-    assert (
-        main(["vqgan", "encode", str(video), "--checkpoint", str(trained[0]), "--out", str(out)])
-        == 0
-    )
+    assert main([*encode, "--out", str(out)]) == 0
     assert np.load(out).shape == (1, 2, 8, 8) and sorted(os.listdir(tmp_path)) == ["codes", "v.mp4"]
-    assert (
-        main(
-            ["vqgan", "encode", str(video), "--checkpoint", str(trained[0]), "--out", str(tmp_path)]
-        )
-        == 2
+    assert main([*encode, "--out", str(tmp_path)]) == 2
+    fake = tmp_path / "fake.mp4"
+    fake.write_text("not a video")
+    capfd.readouterr()
+    assert main(["vqgan", "encode", str(fake), "--checkpoint", str(trained[0])]) == 2
+    assert capfd.readouterr().err == (
+        f"lwm vqgan: error: cannot read video '{fake}': unknown format, or the file is damaged\n"
     )
 
 

@@ -11,7 +11,9 @@ write never leaves a half-written file under the real name.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,11 +48,12 @@ def read_video(path: str | os.PathLike, max_frames: int | None = None) -> np.nda
             raise VideoError(f"cannot read image '{path}': {e}") from None
     import decord
 
+    decord.logging.set_level(decord.logging.QUIET)
     try:
-        reader = decord.VideoReader(str(path), ctx=decord.cpu(0))
+        with quiet_stderr():
+            reader = decord.VideoReader(str(path), ctx=decord.cpu(0))
     except (decord.DECORDError, RuntimeError) as e:  # decord raises RuntimeError on bad files
-        problem = " ".join(str(e).split())[:200]
-        raise VideoError(f"cannot read video '{path}': {problem}") from None
+        raise VideoError(f"cannot read video '{path}': {decord_problem(e)}") from None
     total = len(reader)
     if total == 0:
         raise VideoError(f"video '{path}' has no frames")
@@ -163,3 +166,27 @@ def write_png(path: str | os.PathLike, image: np.ndarray) -> None:
         )
     with atomic_path(path) as tmp:
         Image.fromarray(image).save(tmp, format="PNG")
+
+
+@contextlib.contextmanager
+def quiet_stderr() -> Iterator[None]:
+    """Silence the native decoder's own log lines (the error line we write says it better)."""
+    try:
+        saved = os.dup(2)
+    except OSError:
+        yield
+        return
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def decord_problem(error: Exception) -> str:
+    """What decord's error on opening a file says of it, in short (with its logging quiet it
+    often says only "Error reading PATH...")."""
+    detail = str(error).rpartition("Error: ")[2] if "Error: " in str(error) else ""
+    return " ".join(detail.split())[:200] or "unknown format, or the file is damaged"
