@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from data.tokens import TextCodec, text_to_video_prompt_streams
+from data.tokens import NUM_CODES, TextCodec, text_to_video_prompt_streams
 from lwm.generate import Sampling, generate, prompt_batch
 from lwm.model import LWMModel
 
@@ -123,5 +123,11 @@ def load_video_generator(
         raise ValueError(
             f"the VQGAN {vqgan} has {codes} codes, more than the model's vision_codes "
             f"({cfg.model.vision_codes})"
+        )
+    if (cfg.model.vision_codes or NUM_CODES) > codes:  # it would sample codes past the VQGAN's
+        raise ValueError(
+            f"the model samples {cfg.model.vision_codes or NUM_CODES} codes "
+            f"(model.vision_codes: {cfg.model.vision_codes}), the VQGAN {vqgan} decodes "
+            f"{codes}; train with model.vision_codes={codes}, or give that model's VQGAN"
         )
     return VideoGenerator(lm, codec, encoder, **options)

@@ -108,4 +108,12 @@ def test_generate_writes_clips_of_the_asked_frames(run, tmp_path, capsys):
     )
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("lwm generate: error:") and "missing" in err[-1]
+    # a VQGAN of fewer codes than the model samples: said before sampling (it failed decoding)
+    small = save_tiny_vqgan(tmp_path / "small", num_embeddings=32)
+    assert lwm([*gen[:3], "--vqgan", str(small), *gen[5:], "--out", str(clip)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (
+        f"lwm generate: error: the model samples 64 codes (model.vision_codes: 64), the VQGAN "
+        f"{small} decodes 32; train with model.vision_codes=32, or give that model's VQGAN"
+    )
     assert not clip.exists() and not (tmp_path / "two.png").exists()

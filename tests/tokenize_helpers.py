@@ -23,7 +23,7 @@ TINY_VQGAN = dict(
 CODES_PER_FRAME = 64
 
 
-def save_tiny_vqgan(directory: Path) -> Path:
+def save_tiny_vqgan(directory: Path, **overrides) -> Path:
     """A randomly initialised tiny VQGAN saved with the VQGAN package's `save_weights`.
 
     The parameters are drawn with numpy into the model's abstract shapes (building the model
@@ -35,7 +35,7 @@ def save_tiny_vqgan(directory: Path) -> Path:
     from vqgan.model import VQGAN
     from vqgan.weights import save_weights
 
-    cfg = VQGANModelConfig(**TINY_VQGAN)
+    cfg = VQGANModelConfig(**{**TINY_VQGAN, **overrides})
     graphdef, state = nnx.split(nnx.eval_shape(lambda: VQGAN(cfg, rngs=nnx.Rngs(0))))
     rng = np.random.default_rng(0)
 
