@@ -58,10 +58,11 @@ def save_checkpoint(manager, step: int, params, opt_state, meta: dict) -> None:
 
 
 def _ignore_reads_after_a_failed_restore() -> None:
-    """After a restore fails, orbax has closed its event loop while tensorstore still reads the
+    """When a restore fails, orbax closes its event loop while tensorstore still reads the
     checkpoint's other arrays; each read that ends then reports "RuntimeError: Event loop is
-    closed" as an unraisable exception (a traceback on stderr, many for a large model). Those
-    alone are dropped; every other unraisable exception goes to the hook before."""
+    closed" as an unraisable exception (a traceback on stderr, many for a large model), some
+    before orbax's error reaches us. Those alone are dropped; every other unraisable
+    exception goes to the hook before."""
     previous = sys.unraisablehook
     if getattr(previous, "_lwm_quiet", False):
         return
@@ -91,6 +92,7 @@ def restore_newest(
     ``abstract_state`` (e.g. the parameters without the optimizer state). Parameters of other
     shapes than ``abstract_state``'s raise `CheckpointMismatchError`."""
     damaged: list[int] = []
+    _ignore_reads_after_a_failed_restore()  # before: the reads may end before orbax raises
     try:
         return _first_restorable(manager, abstract_state, log, damaged, partial)
     finally:
@@ -120,7 +122,6 @@ def _first_restorable(manager, abstract_state, log: Log, damaged: list[int], par
                 step, args=ocp.args.Composite(state=state_args, meta=ocp.args.JsonRestore())
             )
         except Exception as e:  # orbax raises many types for a truncated or missing file
-            _ignore_reads_after_a_failed_restore()
             reason = " ".join(str(e).split())[:300]
             if "not compatible with the stored shape" in reason:
                 raise CheckpointMismatchError(
