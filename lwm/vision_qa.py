@@ -208,6 +208,12 @@ def load_language_model(model: str, *, config: str | None = None, mesh=None, log
     if fmt == "run":  # the run's own config says how its dataset was made
         from lwm.runs import load_run
 
+        if config:  # it was ignored without a word
+            raise ValueError(
+                f"--config is for weights without one (hf:, lwm:, orbax:); the run '{location}' "
+                "brings its own (config.yaml)"
+            )
+
         return load_run(location, mesh=mesh, log=log)
     if not config:
         raise ValueError("a model config is needed with a --model that is not run:DIR")

@@ -192,15 +192,19 @@ def test_table_lists_every_category_and_condition(tmp_path, held_out):
 
 
 def test_eval_qa_bad_input_is_one_line(tmp_path, capsys):
-    code = lwm(
-        ["eval", "qa", "--model", f"run:{tmp_path}", "--manifest", str(tmp_path / "no.jsonl")]
+    """Each manifest missing is named by its flag, before the model loads."""
+    qa = ["eval", "qa", "--model", f"run:{tmp_path}"]
+    assert lwm([*qa, "--manifest", str(tmp_path / "no.jsonl")]) == 2
+    assert (
+        capsys.readouterr().err
+        == f"lwm eval: error: --manifest '{tmp_path / 'no.jsonl'}' not found\n"
     )
-    assert code == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("lwm eval: error: input '") and err.endswith(
-        "not found (expected a folder or a .jsonl)"
+    (tmp_path / "m.jsonl").write_text("")
+    train = ["--train-manifest", str(tmp_path / "t.jsonl")]
+    assert lwm([*qa, "--manifest", str(tmp_path / "m.jsonl"), *train]) == 2
+    assert capsys.readouterr().err == (
+        f"lwm eval: error: --train-manifest '{tmp_path / 't.jsonl'}' not found\n"
     )
-    assert len(err.splitlines()) == 1
 
 
 def test_plot_run_draws_loss_and_accuracy_per_category(tmp_path):

@@ -39,6 +39,12 @@ def test_ask_about_a_missing_run_is_one_clear_error(tmp_path, capsys):
         f"lwm ask: error: '{tmp_path}' is not an lwm train run (expected config.yaml and "
         "checkpoints/)"
     ]
+    # a run brings its own config: --config beside it was ignored without a word
+    assert lwm(["ask", "--model", f"run:{tmp_path}", "--config", "c.yaml", *question]) == 2
+    assert capsys.readouterr().err == (
+        f"lwm ask: error: --config is for weights without one (hf:, lwm:, orbax:); the run "
+        f"'{tmp_path}' brings its own (config.yaml)\n"
+    )
 
 
 def test_training_inputs_come_from_the_dataset_metadata(tmp_path):

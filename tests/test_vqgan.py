@@ -502,6 +502,10 @@ def test_restricted_unpickler_refuses_code(tmp_path: Path) -> None:
     assert not marker.exists()
     with pytest.raises(LegacyPickleError, match="explicit opt-in"):
         load_legacy_pickle(path)
+    text = tmp_path / "notes.txt"  # was called "a legacy pickle" too
+    text.write_text("hello")
+    with pytest.raises(LegacyPickleError, match="is not a pickle of protocol 2 or later"):
+        load_legacy_pickle(text)
     path.write_bytes(pickle.dumps({"x": np.array([object()], dtype=object)[:0]}))
     with pytest.raises(LegacyPickleError, match="builtins.object|object dtype"):
         load_legacy_pickle(path, allow_pickle=True)

@@ -114,13 +114,19 @@ def load_legacy_pickle(path: str | os.PathLike, *, allow_pickle: bool = False) -
 
     Refuses unless ``allow_pickle=True`` (on the command line: ``--allow-legacy-pickle``)."""
     path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"pickle '{path}' not found")
+    with path.open("rb") as f:
+        head = f.read(2)
+    if not (len(head) == 2 and head[0] == 0x80 and 2 <= head[1] <= 5):  # protocols 2-5
+        raise LegacyPickleError(
+            f"'{path}' is not a pickle of protocol 2 or later (LWM's parameter files are)"
+        )
     if not allow_pickle:
         raise LegacyPickleError(
             f"'{path}' is a legacy pickle; loading it needs an explicit opt-in "
             "(allow_pickle=True, or --allow-legacy-pickle on the command line)"
         )
-    if not path.is_file():
-        raise FileNotFoundError(f"pickle '{path}' not found")
     with path.open("rb") as f:
         try:
             tree = RestrictedUnpickler(f, source=str(path)).load()

@@ -33,6 +33,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from data.synthetic import DEMO_WORLD
 from lwm.commands import (
@@ -239,6 +240,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.out:
         output_file("--out", args.out)
+    for flag, path in (("--manifest", args.manifest), ("--train-manifest", args.train_manifest)):
+        if path and not Path(path).exists():  # before the model loads, naming the flag
+            print(f"lwm eval: error: {flag} '{path}' not found", file=sys.stderr)
+            return 2
     try:
         questions = read_questions(args.manifest)
         qa, inputs = load_video_qa(args, _log)
@@ -266,7 +271,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _needle(args: argparse.Namespace) -> int:
     import datetime
-    from pathlib import Path
 
     from lwm.needle import (
         Haystack,
