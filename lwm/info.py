@@ -141,18 +141,18 @@ def shape_differences(found: ModelConfig, wanted: ModelConfig) -> list[str]:
     ``wanted`` (`param_specs` differ): each setting that alone changes them, as ``model.KEY:
     FOUND there, WANTED here`` (every differing setting where none does alone); [] where they
     fit (a longer context, another rope theta or attention kernel)."""
-    if param_specs(found) == param_specs(wanted):
+    from lwm.base.config import setting_differences
+
+    specs = param_specs(found)
+    if specs == param_specs(wanted):
         return []
-    changed = [k for k in type(found).model_fields if getattr(found, k) != getattr(wanted, k)]
-    alone = [
-        k
-        for k in changed
-        if param_specs(found.model_copy(update={k: getattr(wanted, k)})) != param_specs(found)
-    ]
-    return [
-        f"model.{k}: {getattr(found, k)} there, {getattr(wanted, k)} here"
-        for k in (alone or changed)
-    ]
+
+    def alone(k: str) -> bool:
+        return param_specs(found.model_copy(update={k: getattr(wanted, k)})) != specs
+
+    return setting_differences(found, wanted, "model", alone) or setting_differences(
+        found, wanted, "model"
+    )
 
 
 def param_counts(cfg: ModelConfig) -> ParamCounts:

@@ -364,18 +364,14 @@ def _many_processes() -> bool:
 def _check_same_model(output: Path, model_cfg) -> None:
     """Refuse to resume a run of another model in ``output`` (its config.yaml and checkpoints):
     its checkpoints would not restore, and training from scratch there would bury them."""
-    from lwm.config import ConfigError, load_config
+    from lwm.base.config import resumable_config
+    from lwm.config import Config
     from lwm.info import shape_differences
 
-    saved = output / "config.yaml"
-    checkpoints = output / "checkpoints"
-    if not saved.is_file() or not any(p.name.isdigit() for p in checkpoints.glob("*")):
+    found = resumable_config(output, Config)
+    if found is None:
         return
-    try:
-        found = load_config(saved).model
-    except ConfigError:  # a config of another version: the checkpoints themselves decide
-        return
-    differences = shape_differences(found, model_cfg)
+    differences = shape_differences(found.model, model_cfg)
     if differences:
         raise TrainingError(
             f"train.output_dir '{output}' holds a run of another model ({'; '.join(differences)});"

@@ -258,21 +258,12 @@ def _grid(originals: np.ndarray, recon: np.ndarray, min_size: int = 128) -> np.n
 def _check_same_model(out: Path, cfg: VQGANConfig) -> None:
     """Refuse to resume a run of another VQGAN in ``out`` (its config.yaml and checkpoints):
     its checkpoints would not restore, and its config.yaml would be overwritten."""
-    from lwm.base.config import ConfigError
-    from vqgan.config import load_vqgan_config
+    from lwm.base.config import resumable_config, setting_differences
 
-    saved = out / "config.yaml"
-    if not saved.is_file() or not any(p.name.isdigit() for p in (out / "checkpoints").glob("*")):
+    found = resumable_config(out, VQGANConfig)
+    if found is None:
         return
-    try:
-        found = load_vqgan_config(saved).model
-    except ConfigError:  # a config of another version: the checkpoints themselves decide
-        return
-    changed = [
-        f"model.{k}: {getattr(found, k)} there, {getattr(cfg.model, k)} here"
-        for k in type(found).model_fields
-        if getattr(found, k) != getattr(cfg.model, k)
-    ]
+    changed = setting_differences(found.model, cfg.model, "model")
     if changed:
         raise WeightsError(
             f"train.output_dir '{out}' holds a run of another VQGAN ({'; '.join(changed)}); "

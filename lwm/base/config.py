@@ -108,6 +108,33 @@ def validate_config(data: Mapping[str, Any], root: type[RootT]) -> RootT:
         raise ConfigError("; ".join(dict.fromkeys(messages))) from None
 
 
+def has_checkpoint(run: Path) -> bool:
+    """Whether the run folder ``run`` holds a checkpoint (``checkpoints/STEP``)."""
+    return any(p.name.isdigit() for p in (run / "checkpoints").glob("*"))
+
+
+def resumable_config(run: Path, root: type[RootT]) -> RootT | None:
+    """The config a rerun in the folder ``run`` would resume: its ``config.yaml`` as ``root``
+    where it holds a checkpoint too; None where not, or where the file is of another version
+    (its checkpoints then decide)."""
+    if not (run / "config.yaml").is_file() or not has_checkpoint(run):
+        return None
+    try:
+        return load_config(run / "config.yaml", (), root)
+    except ConfigError:
+        return None
+
+
+def setting_differences(found: BaseModel, wanted: BaseModel, section: str, keep=None) -> list[str]:
+    """Each field of ``section`` whose value differs (those ``keep(name)`` accepts, where
+    given), as ``SECTION.NAME: FOUND there, WANTED here``."""
+    return [
+        f"{section}.{k}: {getattr(found, k)} there, {getattr(wanted, k)} here"
+        for k in type(found).model_fields
+        if getattr(found, k) != getattr(wanted, k) and (keep is None or keep(k))
+    ]
+
+
 def config_to_yaml(config: BaseModel) -> str:
     """The resolved config as YAML, in field order."""
     return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)

@@ -23,6 +23,22 @@ from typing import Any
 __all__ = ["atomic_path", "write_bytes", "write_jsonl", "write_text"]
 
 
+def _umask() -> int:
+    """The process's umask, read without setting it where the system says it (Linux): setting
+    it to read it, as `os.umask` does, would give a file another thread makes meanwhile the
+    mode 0666."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 @contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """A temporary path beside ``path`` with the same suffix (so writers that pick a format by
@@ -34,9 +50,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=path.suffix, dir=path.parent)
     os.close(fd)
-    umask = os.umask(0)  # mkstemp makes the file for its owner alone (0600); as open() would:
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)
+    os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600, made what open() would give
     try:
         yield Path(tmp)
         os.replace(tmp, path)

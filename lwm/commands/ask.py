@@ -40,8 +40,7 @@ def _log(msg: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if not Path(args.video).is_file():  # before the model loads
-        print(f"lwm ask: error: video '{args.video}' not found", file=sys.stderr)
-        return 2
+        raise FileNotFoundError(f"video '{args.video}' not found")
     try:
         qa, _ = load_video_qa(args, _log)
         answers = qa.answer([(args.video, q) for q in args.question])

@@ -61,8 +61,7 @@ def run(args: argparse.Namespace) -> int:
     from lwm.vision_qa import video_codes
 
     if args.video and not Path(args.video).is_file():  # before the model loads
-        print(f"lwm chat: error: video '{args.video}' not found", file=sys.stderr)
-        return 2
+        raise FileNotFoundError(f"video '{args.video}' not found")
     try:
         qa, _ = load_video_qa(args, _log, vqgan=bool(args.video))
         codes = None

@@ -242,8 +242,7 @@ def run(args: argparse.Namespace) -> int:
         output_file("--out", args.out)
     for flag, path in (("--manifest", args.manifest), ("--train-manifest", args.train_manifest)):
         if path and not Path(path).exists():  # before the model loads, naming the flag
-            print(f"lwm eval: error: {flag} '{path}' not found", file=sys.stderr)
-            return 2
+            raise FileNotFoundError(f"{flag} '{path}' not found")
     try:
         questions = read_questions(args.manifest)
         qa, inputs = load_video_qa(args, _log)

@@ -19,7 +19,13 @@ import json
 import sys
 from pathlib import Path
 
-from lwm.commands import non_negative_float, non_negative_int, positive_float, positive_int
+from lwm.commands import (
+    non_negative_float,
+    non_negative_int,
+    output_file,
+    positive_float,
+    positive_int,
+)
 from lwm.commands.eval import add_model_source_arguments
 
 
@@ -61,15 +67,11 @@ def run(args: argparse.Namespace) -> int:
     from lwm.generate import Sampling
     from lwm.text_to_video import load_video_generator
 
-    out = Path(args.out)
+    out = output_file("--out", args.out, (".mp4", ".png"))
     suffix = out.suffix.lower()
     problem = None
-    if suffix not in (".mp4", ".png"):
-        problem = f"--out '{out}' must end in .mp4 or .png"
-    elif suffix == ".png" and args.frames != 1:
+    if suffix == ".png" and args.frames != 1:
         problem = f"--out '{out}' is a PNG, which holds one frame; --frames is {args.frames}"
-    elif out.is_dir():
-        problem = f"--out '{out}' is a folder; give a file name"
     elif not out.parent.is_dir():
         problem = f"--out '{out}': the folder '{out.parent}' does not exist"
     if problem:

@@ -14,6 +14,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from lwm.base.config import has_checkpoint
 from lwm.commands import add_cpu_devices
 from lwm.config import load_config
 
@@ -79,6 +80,6 @@ def _remove_if_untrained(out: Path, new: bool) -> None:
     metrics = out / "metrics.jsonl"
     if metrics.is_file() and metrics.stat().st_size > 0:
         return
-    if any(p.name.isdigit() for p in (out / "checkpoints").glob("*")):
+    if has_checkpoint(out):
         return
     shutil.rmtree(out, ignore_errors=True)

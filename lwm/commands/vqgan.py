@@ -168,9 +168,7 @@ def _decode(args: argparse.Namespace) -> int:
     from lwm.base.mesh import make_mesh
     from vqgan import load_tokenizer
 
-    out = output_file("--out", args.out)
-    if out.suffix.lower() not in (".png", ".mp4"):
-        raise VideoError(f"--out '{out}': expected a .mp4 or .png file name")
+    out = output_file("--out", args.out, (".mp4", ".png"))
     path = Path(args.codes)
     if not path.is_file():
         raise FileNotFoundError(f"codes file '{path}' not found")
