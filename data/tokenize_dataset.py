@@ -57,6 +57,7 @@ from data.decode import DecodeOptions
 from data.manifest import Item, read_inputs
 from data.tokens import NUM_CODES, TextCodec
 from data.workdir import (
+    NothingTokenizedError,
     TokenizeError,
     chunk_plan,
     chunk_range,
@@ -73,6 +74,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Encoder",
+    "NothingTokenizedError",
     "TokenizeError",
     "TokenizeOptions",
     "TokenizeSummary",
@@ -409,7 +411,9 @@ def _finish(
         return summary
     if summary.ok == 0:  # nothing worth resuming: a rerun after fixing the inputs starts anew
         shutil.rmtree(work, ignore_errors=True)
-        raise TokenizeError(f"no item could be tokenized; nothing written (see {errors_path})")
+        raise NothingTokenizedError(
+            f"no item could be tokenized; nothing written (see {errors_path})"
+        )
     publish(work, out, infos, job)
     summary.published = True
     return summary

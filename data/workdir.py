@@ -27,6 +27,7 @@ from lwm.base.files import write_text
 
 __all__ = [
     "SPLIT",
+    "NothingTokenizedError",
     "TokenizeError",
     "chunk_json",
     "chunk_plan",
@@ -44,7 +45,13 @@ SPLIT = "train"
 
 
 class TokenizeError(Exception):
-    """The job cannot run as asked (existing output, a work directory of other arguments...)."""
+    """The job cannot run as asked (existing output, a work directory of other arguments...):
+    refused as bad input, nothing written (`lwm tokenize` exits with status 2)."""
+
+
+class NothingTokenizedError(TokenizeError):
+    """The job ran and no item could be tokenized (every one is listed in ``OUT.errors.txt``):
+    `lwm tokenize` exits with status 1, as for ``--strict`` with failed items."""
 
 
 def chunk_plan(items: list[Item], indices: range) -> list[tuple[int, int | None]]:

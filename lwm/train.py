@@ -38,7 +38,7 @@ from lwm.runs import (
     restore_newest,
     save_checkpoint,
 )
-from lwm.train_data import TrainingError, build_loader
+from lwm.train_data import TrainingError, TrainingInputError, build_loader
 from lwm.train_step import (
     abstract_train_state,
     batch_sharding,
@@ -72,7 +72,7 @@ class QAEvaluator:
         assert ec.manifest is not None
         inputs = TrainingInputs.of(cfg.data.source)
         if not (ec.vqgan or inputs.get("vqgan")):
-            raise TrainingError("eval.manifest needs eval.vqgan: the dataset names no VQGAN")
+            raise TrainingInputError("eval.manifest needs eval.vqgan: the dataset names no VQGAN")
         self.questions = read_questions(ec.manifest)
         train_manifest = ec.train_manifest or inputs.get("manifest")
         self.blind = BlindBaseline.from_manifest(train_manifest) if train_manifest else None
@@ -100,7 +100,7 @@ class QAEvaluator:
             ("eval.train_manifest", ec.train_manifest),
         ):
             if path and not Path(path).is_file():
-                raise TrainingError(f"{key} '{path}' not found (expected a .jsonl manifest)")
+                raise TrainingInputError(f"{key} '{path}' not found (expected a .jsonl manifest)")
 
     def __call__(self, params, step: int) -> dict[str, float]:
         from lwm.qa_eval import evaluate
@@ -373,7 +373,7 @@ def _check_same_model(output: Path, model_cfg) -> None:
         return
     differences = shape_differences(found.model, model_cfg)
     if differences:
-        raise TrainingError(
+        raise TrainingInputError(
             f"train.output_dir '{output}' holds a run of another model ({'; '.join(differences)});"
             " resume it with its own model settings, or choose another train.output_dir"
         )
@@ -399,7 +399,7 @@ def _initial_params(cfg, model_cfg, mesh, log, metadata=None):
         if codebook_init:
             path = ((metadata or {}).get("vqgan") or {}).get("path")
             if not path:
-                raise TrainingError(
+                raise TrainingInputError(
                     f"train.vision_embed_init=codebook needs a dataset tokenized with a VQGAN; "
                     f"data.source '{cfg.data.source}' names none"
                 )
@@ -436,11 +436,11 @@ def _codebook_init(params, vqgan_path: str, model_cfg, seed: int, log):
     try:
         codebook = vqgan.load_model(vqgan_path).quantizer.embeddings[...]
     except (FileNotFoundError, OSError) as e:
-        raise TrainingError(f"train.vision_embed_init=codebook: {e}") from None
+        raise TrainingInputError(f"train.vision_embed_init=codebook: {e}") from None
     table = params["embed_vision"]
     current = table[...]
     if codebook.shape[0] > current.shape[0]:
-        raise TrainingError(
+        raise TrainingInputError(
             f"train.vision_embed_init=codebook: the VQGAN '{vqgan_path}' has "
             f"{codebook.shape[0]} codes, more than the model's {current.shape[0]} vision rows"
         )

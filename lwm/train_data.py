@@ -13,13 +13,20 @@ import numpy as np
 
 from data.batches import Loader, SyntheticTokenLoader
 from data.tokens import frame_markers
-from lwm.config import Config, ModelConfig
+from lwm.config import Config, ConfigError, ModelConfig
 
-__all__ = ["TrainingError", "build_loader", "check_dataset", "window_spec"]
+__all__ = ["TrainingError", "TrainingInputError", "build_loader", "check_dataset", "window_spec"]
 
 
 class TrainingError(RuntimeError):
-    """The run cannot go on (non-finite loss, no usable checkpoint...); the message says why."""
+    """The run started and cannot go on (a non-finite loss, trained positions that did not fit
+    ...): `lwm train` exits with status 1; the message says why."""
+
+
+class TrainingInputError(ConfigError):
+    """The config does not fit what it names (the dataset, a manifest, the VQGAN, the run in
+    ``train.output_dir``): refused before the first step, as bad input (`lwm train` exits with
+    status 2, like any `ConfigError`); the message names the setting and the problem."""
 
 
 def build_loader(cfg: Config, seq_len: int, layout: np.ndarray | None) -> Loader:
@@ -63,20 +70,20 @@ def window_spec(model: ModelConfig) -> tuple[tuple[int, int], int] | None:
 
 
 def check_dataset(source: str, metadata: dict[str, Any], model: ModelConfig) -> None:
-    """Refuse (`TrainingError`, naming both sides) a dataset whose frame markers are not this
+    """Refuse (`TrainingInputError`, naming both sides) a dataset whose frame markers are not this
     version's or whose text vocabulary, VQGAN codebook or code grid does not fit ``model``'s
     tables."""
     vqgan = metadata.get("vqgan") or {}
     codes = int(vqgan.get("codebook_size", 0))
     if model.vision_codes and codes > model.vision_codes:
-        raise TrainingError(
+        raise TrainingInputError(
             f"dataset '{source}' was tokenized with a VQGAN of {codes} codes, but "
             f"model.vision_codes is {model.vision_codes}"
         )
     per_frame = int(vqgan.get("tokens_per_frame", 0))
     if model.vision_grid is not None and per_frame and math.prod(model.vision_grid) != per_frame:
         rows, cols = model.vision_grid
-        raise TrainingError(
+        raise TrainingInputError(
             f"dataset '{source}' has {per_frame} codes per frame, but model.vision_grid "
             f"[{rows}, {cols}] is a grid of {rows * cols}"
         )
@@ -84,13 +91,13 @@ def check_dataset(source: str, metadata: dict[str, Any], model: ModelConfig) -> 
     ours = frame_markers()
     if any(markers.get(k, v) != v for k, v in ours.items()):
         found = {k: markers.get(k) for k in ours}
-        raise TrainingError(
+        raise TrainingInputError(
             f"dataset '{source}' marks frames with {found}, but this version's token stream "
             f"uses {ours} (data.tokens): tokenize it again"
         )
     vocab = int(metadata["text_tokenizer"]["vocab_size"])
     if vocab > model.text_vocab_size:
-        raise TrainingError(
+        raise TrainingInputError(
             f"dataset '{source}' was tokenized with a text vocabulary of {vocab} tokens, "
             f"but model.text_vocab_size is {model.text_vocab_size}"
         )

@@ -131,7 +131,7 @@ from data.batches import SyntheticTokenLoader
 from lwm.config import load_config
 from lwm.generate import Sampling, generate
 from lwm.model import create_model
-from lwm.train_data import TrainingError, check_dataset
+from lwm.train_data import TrainingInputError, check_dataset
 
 cfg = load_config("debug.yaml").model.model_copy(update={"vision_codes": 16})
 model = create_model(cfg)
@@ -150,7 +150,7 @@ meta = {"markers": {"eof": 8192, "eov": 8193}, "text_tokenizer": {"vocab_size": 
 try:
     check_dataset("old-ids", meta, cfg)
     out["check"] = "accepted"
-except TrainingError as e:
+except TrainingInputError as e:
     out["check"] = str(e)
 print(json.dumps(out))
 """

@@ -236,7 +236,7 @@ def test_training_refuses_a_dataset_with_other_markers_vocabularies_or_grid(tmp_
     # (data.tokens) and the model's before the first step.
     from data.tokens import EOF_ID, EOV_ID
     from lwm.config import load_config
-    from lwm.train_data import TrainingError, build_loader
+    from lwm.train_data import TrainingInputError, build_loader
 
     def dataset(name, **metadata):
         path = write_dataset(tmp_path / name, LENGTHS[:4], shards=1)
@@ -251,17 +251,21 @@ def test_training_refuses_a_dataset_with_other_markers_vocabularies_or_grid(tmp_
 
     assert loader_for(dataset("ok"), "train.batch_size=4")
     moved = dataset("moved", markers={"eof": EOF_ID + 10, "eov": EOV_ID + 10})
-    with pytest.raises(TrainingError, match=f"uses {{'eof': {EOF_ID}, 'eov': {EOV_ID}}}"):
+    with pytest.raises(TrainingInputError, match=f"uses {{'eof': {EOF_ID}, 'eov': {EOV_ID}}}"):
         loader_for(moved, "train.batch_size=4")
     big = dataset("big", text_tokenizer={"vocab_size": 10**6})
-    with pytest.raises(TrainingError, match="text vocabulary of 1000000 tokens"):
+    with pytest.raises(TrainingInputError, match="text vocabulary of 1000000 tokens"):
         loader_for(big, "train.batch_size=4")
     codes = dataset("codes", vqgan={"codebook_size": 1024})
-    with pytest.raises(TrainingError, match="VQGAN of 1024 codes, but model.vision_codes is 512"):
+    with pytest.raises(
+        TrainingInputError, match="VQGAN of 1024 codes, but model.vision_codes is 512"
+    ):
         loader_for(codes, "train.batch_size=4", "model.vision_codes=512")
     grid = dataset("grid", vqgan={"codebook_size": 512, "tokens_per_frame": 64})
     assert loader_for(grid, "train.batch_size=4", "model.vision_grid=[8,8]")
-    with pytest.raises(TrainingError, match=r"64 codes per frame, but model.vision_grid \[4, 4\]"):
+    with pytest.raises(
+        TrainingInputError, match=r"64 codes per frame, but model.vision_grid \[4, 4\]"
+    ):
         loader_for(grid, "train.batch_size=4", "model.vision_grid=[4,4]")
 
 

@@ -299,10 +299,10 @@ def test_rerun_with_other_arguments_is_refused(tmp_path, synthetic, vqgan_dir, c
     out = tmp_path / "tokens"
     (tmp_path / "tokens.partial").mkdir()
     (tmp_path / "tokens.partial" / "job.json").write_text(json.dumps({"max_frames": 3}))
-    assert lwm(["tokenize", *common, "--output", str(out)]) == 1
+    assert lwm(["tokenize", *common, "--output", str(out)]) == 2
     assert "other arguments" in capsys.readouterr().err and not out.exists()
     out.mkdir()
-    assert lwm(["tokenize", *common, "--output", str(out)]) == 1
+    assert lwm(["tokenize", *common, "--output", str(out)]) == 2
     assert "already exists" in capsys.readouterr().err
 
 
@@ -373,7 +373,7 @@ def test_train_refuses_a_dataset_with_a_larger_text_vocabulary(
     assert lwm([*args, str(vqgan_dir), *FAST]) == 0
     overrides = [f"data.source={data}", f"train.output_dir={tmp_path / 'run'}"]
     overrides += ["model.text_vocab_size=256", "train.seq_len=512", "train.steps=1"]
-    assert lwm(["train", "--config", str(ROOT / "configs/tiny.yaml"), *overrides]) == 1
+    assert lwm(["train", "--config", str(ROOT / "configs/tiny.yaml"), *overrides]) == 2
     err = capsys.readouterr().err
     assert "text vocabulary of 4096 tokens, but model.text_vocab_size is 256" in err
 
@@ -437,7 +437,7 @@ def test_shards_killed_rerun_and_merged_equal_one_process(
     assert "shard 0/2: made 6 of the 12 chunks" in err and "still to do" in err
     assert not out.exists()
     # Merging before every chunk is done names the missing ones and writes nothing.
-    assert lwm(["tokenize", "--merge", str(out)]) == 1
+    assert lwm(["tokenize", "--merge", str(out)]) == 2
     assert "are not done in" in capsys.readouterr().err and not out.exists()
 
     assert lwm(["tokenize", *args, "--output", str(out), "--shard", "1/2"]) == 0

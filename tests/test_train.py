@@ -292,7 +292,7 @@ def test_a_rerun_with_another_model_is_refused_and_changes_nothing(tmp_path):
     assert lwm_train_here(out, "train.steps=2", "train.save_every=2", mesh).returncode == 0
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != ".lock"}
     r = lwm_train_here(out, "train.steps=4", "model.intermediate_size=96", mesh)
-    assert r.returncode == 1
+    assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1] == (
         f"lwm train: error: train.output_dir '{out}' holds a run of another model "
         "(model.intermediate_size: 128 there, 96 here); resume it with its own model settings, "
@@ -306,7 +306,7 @@ def test_a_rerun_with_another_model_is_refused_and_changes_nothing(tmp_path):
         ("data.source=/nowhere", "'/nowhere' is not a token dataset"),
     ]:
         r = lwm_train_here(tmp_path / "new", "train.steps=2", mesh, bad)
-        assert r.returncode in (1, 2) and message in r.stderr, r.stderr
+        assert r.returncode == 2 and message in r.stderr, r.stderr
         assert "Traceback" not in r.stderr and not (tmp_path / "new").exists(), bad
 
 
@@ -471,7 +471,7 @@ ONE_STEP = ("train.steps=1", "mesh.shape=1,2,2,2")
 
 def test_codebook_init_needs_a_dataset_with_a_vqgan_and_a_fresh_model(tmp_path):
     r = lwm_train_here(tmp_path / "a", *ONE_STEP, "train.vision_embed_init=codebook")
-    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "Traceback" not in r.stderr
     line = r.stderr.strip().splitlines()[-1]
     assert "train.vision_embed_init=codebook needs a dataset tokenized with a VQGAN" in line
     assert "data.source 'synthetic' names none" in line

@@ -124,7 +124,7 @@ def _log(msg: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from data.manifest import ManifestError
-    from data.tokenize_dataset import TokenizeError
+    from data.tokenize_dataset import NothingTokenizedError, TokenizeError
 
     if args.merge:
         given = [f"--{k}" for k in ("input", "output", "vqgan", "shard") if getattr(args, k)]
@@ -140,7 +140,8 @@ def run(args: argparse.Namespace) -> int:
         return _run(args)
     except (TokenizeError, ManifestError) as e:
         _log(f"error: {e}")
-        return 2 if isinstance(e, ManifestError) else 1
+        # refused input is status 2 (nothing written); a job that ran and made nothing, 1
+        return 1 if isinstance(e, NothingTokenizedError) else 2
 
 
 def _run(args: argparse.Namespace) -> int:

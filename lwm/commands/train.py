@@ -4,7 +4,9 @@
   lwm train --config configs/7b_128k.yaml train.init_from=run:runs/7b_32k
 
 Rerun the same command to resume from the newest checkpoint in train.output_dir. SIGTERM or
-Ctrl-C saves a checkpoint first. Metrics: OUTPUT/metrics.jsonl and OUTPUT/tensorboard.
+Ctrl-C saves a checkpoint first (exit 143 or 130). Metrics: OUTPUT/metrics.jsonl and
+OUTPUT/tensorboard. A config that does not fit its dataset or the run in train.output_dir is
+refused before the first step (exit 2); a run that fails (a NaN loss) exits 1.
 """
 
 from __future__ import annotations
