@@ -699,7 +699,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--cudnn-piece",
         type=int,
-        help="longest piece of a shard per cuDNN call (lwm.attention.cudnn.PIECE, default 4096)",
+        help="longest piece of a shard per cuDNN call (lwm.attention.cudnn.pairs.PIECE, default 4096)",
     )
     return p.parse_args(argv)
 
@@ -723,9 +723,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     DTYPE = jnp.dtype(args.dtype or ("bfloat16" if gpu else "float32")).type
     KERNEL = args.kernel
     if args.cudnn_piece:
-        import lwm.attention.cudnn
+        import lwm.attention.cudnn.pairs
 
-        lwm.attention.cudnn.PIECE = args.cudnn_piece
+        lwm.attention.cudnn.pairs.PIECE = args.cudnn_piece
     info(
         f"jax {jax.__version__}, {len(jax.devices())} {jax.devices()[0].platform} devices, "
         f"{os.cpu_count()} host cores"

@@ -258,7 +258,7 @@ def main() -> int:
     p.add_argument("--platform", choices=("cpu", "gpu"), default="cpu")
     p.add_argument("--kernels", default="xla", help="attention block kernels, e.g. xla,cudnn")
     p.add_argument("--remat", default="nothing_saveable", help="model.remat_policy")
-    p.add_argument("--cudnn-piece", type=int, help="lwm.attention.cudnn.PIECE (default 4096)")
+    p.add_argument("--cudnn-piece", type=int, help="lwm.attention.cudnn.pairs.PIECE (default 4096)")
     p.add_argument(
         "--set",
         action="append",
@@ -300,9 +300,9 @@ def main() -> int:
         print(f"bench_train: error: {e}", file=sys.stderr)
         return 2
     if args.cudnn_piece:
-        import lwm.attention.cudnn
+        import lwm.attention.cudnn.pairs
 
-        lwm.attention.cudnn.PIECE = args.cudnn_piece
+        lwm.attention.cudnn.pairs.PIECE = args.cudnn_piece
     if unknown := [s for s in args.sizes.split(",") if s not in SIZES]:
         print(f"bench_train: error: unknown size {unknown[0]!r}; sizes: {', '.join(SIZES)}",
               file=sys.stderr)  # fmt: skip

@@ -60,7 +60,11 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $out/NAM
     shift 2
     local t0=$SECONDS
     timeout "$limit" "$@" >"$out/$name.log" 2>&1
-    echo "== $name: rc=$? in $((SECONDS - t0)) s"
+    local rc=$? errors note=""
+    # the scripts report a measurement that failed as a JSON line and go on: count them
+    errors=$(grep -c '"status": "error"' "$out/$name.log")
+    [ "$errors" -gt 0 ] && note=" ($errors measurements failed)"
+    echo "== $name: rc=$rc in $((SECONDS - t0)) s$note"
     tail -n 4 "$out/$name.log" | cut -c1-400
 }
 

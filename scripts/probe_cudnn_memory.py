@@ -41,7 +41,7 @@ def main() -> int:
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--piece", type=int, help="lwm.attention.cudnn.PIECE (default 4096)")
+    p.add_argument("--piece", type=int, help="lwm.attention.cudnn.pairs.PIECE (default 4096)")
     p.add_argument("--cases", default="plain,scan,scan-nosplit,scan-xla")
     p.add_argument(
         "overrides", nargs="*", metavar="KEY=VALUE", help="config overrides for step cases"
@@ -62,14 +62,14 @@ def main() -> int:
 @contextlib.contextmanager
 def stand_ins(case: str, piece: int | None):
     """cuDNN's kernels as cheap functions with its output conventions (a mask bias read, so
-    that building it counts); `lwm.attention.cudnn.PIECE` set. Restored after."""
+    that building it counts); `lwm.attention.cudnn.pairs.PIECE` set. Restored after."""
     import jax.numpy as jnp
     from jax import lax
 
-    import lwm.attention.cudnn as cd
     from lwm.attention.blocks import F32
+    from lwm.attention.cudnn import kernels, pairs
 
-    saved = (cd._emulated_fwd, cd._emulated_bwd, cd.PIECE)
+    saved = (kernels._emulated_fwd, kernels._emulated_bwd, pairs.PIECE)
 
     def read(bias):
         return 0.0 if bias is None else jnp.mean(bias.astype(F32))
@@ -88,22 +88,22 @@ def stand_ins(case: str, piece: int | None):
         s = jnp.mean(lse) + jnp.mean(dout.astype(F32)) + read(bias)
         return (q * s).astype(q.dtype), (k * s).astype(k.dtype), (v * s).astype(v.dtype)
 
-    cd._emulated_fwd, cd._emulated_bwd = fwd, bwd
+    kernels._emulated_fwd, kernels._emulated_bwd = fwd, bwd
     if piece:
-        cd.PIECE = piece
+        pairs.PIECE = piece
     if "nosplit" in case:
-        cd.PIECE = 1 << 30
+        pairs.PIECE = 1 << 30
     try:
         yield
     finally:
-        cd._emulated_fwd, cd._emulated_bwd, cd.PIECE = saved
+        kernels._emulated_fwd, kernels._emulated_bwd, pairs.PIECE = saved
 
 
 def probe(case: str, args: argparse.Namespace) -> dict:
-    import lwm.attention.cudnn as cd
+    from lwm.attention.cudnn import pairs
 
     with stand_ins(case, args.piece):
-        piece = cd.PIECE
+        piece = pairs.PIECE
         compiled = (step_compiled if case.startswith("step") else attention_compiled)(case, args)
         temp = compiled.memory_analysis().temp_size_in_bytes
     return {

@@ -64,9 +64,9 @@ def info(msg: str) -> None:
 def raw_cudnn(q: jax.Array, k: jax.Array, v: jax.Array, emulate: bool) -> jax.Array:
     """The two cuDNN calls of `lwm.attention.cudnn` and nothing around them."""
     fwd, bwd = (
-        (cudnn_mod._emulated_fwd, cudnn_mod._emulated_bwd)
+        (cudnn_mod.kernels._emulated_fwd, cudnn_mod.kernels._emulated_bwd)
         if emulate
-        else (cudnn_mod._cudnn_fwd, cudnn_mod._cudnn_bwd)
+        else (cudnn_mod.kernels._cudnn_fwd, cudnn_mod.kernels._cudnn_bwd)
     )
     scale = q.shape[-1] ** -0.5
 
@@ -89,12 +89,12 @@ def raw_cudnn(q: jax.Array, k: jax.Array, v: jax.Array, emulate: bool) -> jax.Ar
 @contextlib.contextmanager
 def causal_pairs_only() -> Iterator[None]:
     """While tracing: every pair of `lwm.attention.cudnn` runs its causal branch, unchosen."""
-    saved = cudnn_mod._switch
-    cudnn_mod._switch = lambda kind, branches, *ops: branches[cudnn_mod.CAUSAL](*ops)
+    saved = cudnn_mod.pairs._switch
+    cudnn_mod.pairs._switch = lambda kind, branches, *ops: branches[cudnn_mod.CAUSAL](*ops)
     try:
         yield
     finally:
-        cudnn_mod._switch = saved
+        cudnn_mod.pairs._switch = saved
 
 
 def implementations(mesh: jax.sharding.Mesh, emulate: bool) -> dict[str, Callable[..., Any]]:

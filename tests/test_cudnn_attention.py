@@ -37,7 +37,7 @@ ON_GPU = jax.default_backend() == "gpu"
 @pytest.fixture
 def small_pieces(monkeypatch):
     """Pieces of at most 8 tokens, so that short test sequences have many pairs of each kind."""
-    monkeypatch.setattr(cudnn, "PIECE", 8)
+    monkeypatch.setattr(cudnn.pairs, "PIECE", 8)
 
 
 def long_documents(b: int, s: int, cut: int) -> jax.Array:
@@ -557,7 +557,7 @@ def test_real_kernels_lower_for_cuda_from_this_host(monkeypatch):
 
     monkeypatch.setattr(fa, "check_cudnn_version", lambda: 91000)
     monkeypatch.setattr(fa, "check_is_flash_attention", lambda *a, **k: None)
-    monkeypatch.setattr(cudnn, "PIECE", 16)
+    monkeypatch.setattr(cudnn.pairs, "PIECE", 16)
     real = blockwise.resolve_kernel
 
     def on_gpu(kernel, platform=None):
@@ -645,17 +645,17 @@ def test_gpu_cudnn_kernels_follow_their_stand_in():
     dout = qkv(b=2, s=256, h=8, kvh=2, d=64, dtype=jnp.bfloat16, seed=3)[0]
     seg = packed_segments(2, 256)  # every query sees its own document's start
     pos = document_positions(seg)
-    bias = cudnn._mask_bias(cudnn._visible(pos, seg, pos, seg, True), jnp.bfloat16)
+    bias = cudnn.kernels._mask_bias(cudnn.pairs._visible(pos, seg, pos, seg, True), jnp.bfloat16)
     for causal, b in ((True, None), (False, None), (True, bias), (False, bias)):
-        fwd = jax.jit(cudnn._cudnn_fwd, static_argnums=(3, 4))
+        fwd = jax.jit(cudnn.kernels._cudnn_fwd, static_argnums=(3, 4))
         out, lse = fwd(q, k, v, causal, 0.125, b)
-        ref_out, ref_lse = cudnn._emulated_fwd(q, k, v, causal, 0.125, b)
+        ref_out, ref_lse = cudnn.kernels._emulated_fwd(q, k, v, causal, 0.125, b)
         assert lse.dtype == jnp.float32 and lse.shape == (2, 8, 256)
         assert float(jnp.max(jnp.abs(lse - ref_lse))) < 2e-2
         assert float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref_out.astype(jnp.float32)))) < 3e-2
-        bwd = jax.jit(cudnn._cudnn_bwd, static_argnums=(6, 7))
+        bwd = jax.jit(cudnn.kernels._cudnn_bwd, static_argnums=(6, 7))
         grads = bwd(q, k, v, ref_out, ref_lse, dout, causal, 0.125, b)
-        refs = cudnn._emulated_bwd(q, k, v, ref_out, ref_lse, dout, causal, 0.125, b)
+        refs = cudnn.kernels._emulated_bwd(q, k, v, ref_out, ref_lse, dout, causal, 0.125, b)
         for g, r in zip(grads, refs, strict=True):
             r = r.astype(jnp.float32)
             rel = float(jnp.max(jnp.abs(g.astype(jnp.float32) - r)) / jnp.max(jnp.abs(r)))
@@ -688,7 +688,7 @@ def within_twice_dense_bfloat16(monkeypatch, docs: str) -> None:
     ``one-positions``: the same positions given (each pair's kind decided at run time);
     ``packed-in-order``: packed documents told ``in_order`` (the masked pieces' schedule);
     ``short-in-order``: short documents told that too and their reach (each piece's band)."""
-    monkeypatch.setattr(cudnn, "PIECE", 256)
+    monkeypatch.setattr(cudnn.pairs, "PIECE", 256)
     s = 1024
     q32, k32, v32 = qkv(b=2, s=s, h=8, kvh=2, d=64)
     kw = {}

@@ -261,7 +261,7 @@ def test_attention_kernels_mask_isolated_turns_as_dense(where, monkeypatch):
     attention on rows of isolated turns; dense attention is each turn with its turn 0 alone."""
     import lwm.attention.cudnn as cudnn
 
-    monkeypatch.setattr(cudnn, "PIECE", 8)
+    monkeypatch.setattr(cudnn.pairs, "PIECE", 8)
     q, k, v = qkv(s=64)
     seg, pos = turn_segments(2, 64)
     perm = np.arange(64)

@@ -386,7 +386,7 @@ def test_in_order_schedule_gives_the_same_loss_and_gradients(monkeypatch):
     from lwm.model import row_order, row_reach
     from lwm.train_step import _grads_fn, loss_fn
 
-    monkeypatch.setattr(cudnn, "PIECE", 8)
+    monkeypatch.setattr(cudnn.pairs, "PIECE", 8)
     mesh = make_mesh("1,2,4,1")  # blockwise: each device attends over the whole sequence
     batch = _padded_packed_batch(128)
     assert row_order(batch["positions"], batch["segment_ids"], "contiguous", 1) == "in_order"
