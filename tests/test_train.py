@@ -209,6 +209,40 @@ def _wait_for_step(out: Path, step: int, proc, timeout=300.0):
     raise AssertionError(f"step {step} never logged")
 
 
+def test_two_processes_with_cudnn_check_rows_on_the_device(tmp_path):
+    """Two real processes (4 simulated devices each) with cuDNN attention (its stand-in):
+    the step checks each batch's rows on the device, compiled once for the reach of the
+    loader's plan, which every host checks its own rows against; the losses are one
+    process's with the XLA kernel (`test_each_batch_runs_the_step_compiled_for_its_rows`
+    patches the process count instead)."""
+    args = ("train.steps=3", "mesh.shape=1,2,4,1", "model.attention=blockwise")
+    one = lwm_train_here(tmp_path / "one", *args, "model.attention_kernel=xla")
+    assert one.returncode == 0, one.stderr
+    port = _free_port()
+    many = (
+        *args,
+        "model.attention_kernel=cudnn",
+        f"distributed.coordinator_address=127.0.0.1:{port}",
+        "distributed.num_processes=2",
+    )
+    procs = [
+        lwm_train(tmp_path / "two", *many, f"distributed.process_id={i}", devices=4, wait=False)
+        for i in range(2)
+    ]
+    errs = []
+    for p in procs:
+        _, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err
+        errs.append(err)
+    assert "rows checked on the device" in errs[0] and "rows in_order" not in errs[0], errs[0]
+    ref, got = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert sorted(got) == [1, 2, 3]
+    for step in got:
+        assert got[step] == pytest.approx(ref[step], rel=1e-5), step
+    records = (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["one_document"] for x in records] == [0.0, 0.0, 0.0]
+
+
 @pytest.mark.parametrize("kill_after", [6, 7])
 def test_kill_9_then_rerun_matches_uninterrupted(reference, tmp_path, kill_after):
     """Killed right after step 6 is logged (its asynchronous save is in flight) or mid-way to the
