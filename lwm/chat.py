@@ -87,7 +87,9 @@ class ChatSession:
                 f"chunk positive (got {prefill_chunk})"
             )
         self.model, self.codec = model, codec
-        self.max_context, self.chunk = max_context, prefill_chunk
+        # A chunk longer than the cache holds nothing more (a feed never exceeds it) and would
+        # not fit it: cut to the cache.
+        self.max_context, self.chunk = max_context, min(prefill_chunk, max_context)
         self.max_new_tokens, self.sampling = max_new_tokens, sampling
         self.key = jax.random.key(seed)
         self.graphdef, self.state = nnx.split(model)

@@ -1,9 +1,9 @@
 """The end-to-end demo, run by the README's first command: videos -> VQGAN -> token dataset ->
-a world model trained with ring attention on 4 (simulated) devices -> answers to questions
+a world model trained with ring attention on 2 (simulated) devices -> answers to questions
 about videos it has never seen, scored against a model that never sees them.
 
     python scripts/demo.py                      # everything under runs/demo (README: time, numbers)
-    python scripts/demo.py --out runs/long --videos 8000 --lm-steps 3000 --eval-every 500  # 99%
+    python scripts/demo.py --out runs/long --videos 8000 --lm-steps 3000 --eval-every 500  # 98%
     python scripts/demo.py --shapes-first-steps 0 --lm-steps 360   # without the shapes stage
     python scripts/demo.py --platform gpu       # on the GPU JAX finds (mesh 1,1,1,1)
 

@@ -274,12 +274,12 @@ def test_chunked_prefill_equals_one_prefill(mesh_shape, grid, window):
     assert np.asarray(got).tolist() == np.asarray(out).tolist()
 
 
-@pytest.mark.parametrize("grid,window", [((4, 4), 1)])
-def test_a_second_chat_turn_reuses_the_cache(grid, window):
+@pytest.mark.parametrize("grid,window,chunk", [((4, 4), 1, 16), ((4, 4), 1, 512)])
+def test_a_second_chat_turn_reuses_the_cache(grid, window, chunk):
     """Two turns of a conversation about a video, fed in chunks into one cache (the chunks on
     an sp-sharded cache: `test_chunked_prefill_equals_one_prefill`; here chunks of 16 cut the
-    frames of 4x4 codes): the second answer equals generation from a fresh prompt that holds
-    both turns."""
+    frames of 4x4 codes; chunks of 512, longer than the cache of 128, are cut to it): the
+    second answer equals generation from a fresh prompt that holds both turns."""
     from data.tokens import TextCodec, qa_prompt, video_prompt_streams
     from lwm.chat import ChatSession, ContextFullError
 
@@ -288,7 +288,7 @@ def test_a_second_chat_turn_reuses_the_cache(grid, window):
         debug_cfg(text_vocab_size=codec.vocab_size, vision_grid=grid, vision_window=window)
     )
     codes = np.random.default_rng(0).integers(0, 512, (2, 4, 4))
-    chat = ChatSession(model, codec, codes, max_context=128, prefill_chunk=16, max_new_tokens=5)
+    chat = ChatSession(model, codec, codes, max_context=128, prefill_chunk=chunk, max_new_tokens=5)
     chat.ask("What colour is the square?")
     before = chat.history + list(chat.pending[0])  # the first turn, closed as training does
     second = chat.ask("Which way does it move?")

@@ -142,3 +142,22 @@ def test_info_names_the_kernel_that_runs_and_the_rows_with_their_own_schedules(m
         "attention_kernel cudnn -> cudnn; rows with their own schedules: any, in_order, "
         "one_document"
     )
+
+
+def test_info_takes_the_cpu_devices_its_mesh_error_names() -> None:
+    """A mesh of more devices than the host has: one line naming `--cpu-devices N`, which
+    `lwm info` takes, as every verb that runs on devices does (it had only `--devices`)."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import subprocess_xla_flags
+
+    env = dict(os.environ, XLA_FLAGS=subprocess_xla_flags())
+    cmd = [sys.executable, "-m", "lwm", "info", str(CONFIGS / "demo.yaml")]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "needs 2 devices but 1 is available" in r.stderr, r.stderr
+    assert "--cpu-devices 2" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    r = subprocess.run([*cmd, "--cpu-devices", "2"], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("# devices: 2 x cpu") and "mesh dp=1 fsdp=1 sp=2 tp=1" in r.stdout

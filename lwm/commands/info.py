@@ -13,7 +13,7 @@ import argparse
 from typing import TYPE_CHECKING
 
 from lwm.base.mesh import MESH_AXES, make_mesh, mesh_axis_sizes, parse_mesh_shape
-from lwm.commands import positive_int
+from lwm.commands import add_cpu_devices, positive_int
 from lwm.config import Config, config_to_yaml, load_config
 from lwm.info import flops_per_token, memory_per_device, param_counts
 
@@ -37,6 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="plan for a mesh of N devices without having them (default: the devices JAX sees)",
     )
+    add_cpu_devices(parser)  # describe the config on N simulated CPU devices, as the verbs run
 
 
 def run(args: argparse.Namespace) -> int:
