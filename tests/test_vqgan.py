@@ -258,6 +258,13 @@ def test_a_rerun_with_another_model_is_refused_and_changes_nothing(
     with pytest.raises(WeightsError, match=r"another VQGAN \(model.hidden_channels: 16 there, 32"):
         train(wider, mesh=make_mesh("1,-1,1,1"), source=None)
     assert (run / "config.yaml").read_text() == before
+    # the compute dtype alone may change (the same weights, in another precision)
+    from vqgan.train import _check_same_model
+
+    overrides = [f"train.output_dir={run}"]
+    _check_same_model(run, load_vqgan_config(TINY, [*overrides, "model.dtype=bfloat16"]))
+    with pytest.raises(WeightsError, match=r"model.param_dtype: float32 there, bfloat16 here"):
+        _check_same_model(run, load_vqgan_config(TINY, [*overrides, "model.param_dtype=bfloat16"]))
 
 
 def test_encode_writes_the_codes_to_the_name_given(

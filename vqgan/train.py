@@ -257,13 +257,15 @@ def _grid(originals: np.ndarray, recon: np.ndarray, min_size: int = 128) -> np.n
 
 def _check_same_model(out: Path, cfg: VQGANConfig) -> None:
     """Refuse to resume a run of another VQGAN in ``out`` (its config.yaml and checkpoints):
-    its checkpoints would not restore, and its config.yaml would be overwritten."""
+    its checkpoints would not restore, or would compute another function, and its config.yaml
+    would be overwritten. The compute dtype (``model.dtype``) alone may change: the same
+    weights, computed in another precision."""
     from lwm.base.config import resumable_config, setting_differences
 
     found = resumable_config(out, VQGANConfig)
     if found is None:
         return
-    changed = setting_differences(found.model, cfg.model, "model")
+    changed = setting_differences(found.model, cfg.model, "model", lambda k: k != "dtype")
     if changed:
         raise WeightsError(
             f"train.output_dir '{out}' holds a run of another VQGAN ({'; '.join(changed)}); "
