@@ -47,7 +47,8 @@ from lwm.model import LWMModel
 
 
 class Sampling(NamedTuple):
-    """``temperature == 0`` is greedy; ``top_k == 0`` and ``top_p == 1`` disable those filters."""
+    """``temperature == 0`` is greedy; ``top_k == 0`` (or at least the vocabulary) and
+    ``top_p == 1`` disable those filters."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -68,7 +69,7 @@ def sample_logits(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.
     if sampling.temperature <= 0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logits = logits / sampling.temperature
-    if sampling.top_k > 0:
+    if 0 < sampling.top_k < logits.shape[-1]:  # k at least the vocabulary: every token
         kth = jax.lax.top_k(logits, sampling.top_k)[0][:, -1:]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
     if sampling.top_p < 1.0:
@@ -118,6 +119,17 @@ def empty_cache(model: LWMModel, batch: int, max_len: int) -> KVCache:
 
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
+
+
+def prompt_width(width: int, sp: int, chunk: int | None) -> tuple[int, int | None]:
+    """The padded width of prompts ``width`` tokens wide and the prefill chunk to use: whole
+    shards of the ring (``sp``), and with a chunk, whole chunks of at most the prompts' width
+    (a longer chunk would only prefill padding: the chunk bounds memory, it never adds to it)."""
+    padded = _round_up(width, sp)
+    if not chunk:
+        return padded, None
+    chunk = min(chunk, padded)
+    return _round_up(width, chunk), chunk
 
 
 def prefill(
@@ -499,9 +511,7 @@ def generate(
         uncond_len = jnp.broadcast_to(jnp.asarray(uncond_len, jnp.int32), prompt_len.shape)
         prompt_len = jnp.concatenate([prompt_len, uncond_len])
     sp = 1 if model.mesh is None else model.mesh.shape["sp"]
-    width = _round_up(tokens.shape[1], sp)  # ring prefill needs whole shards
-    if prefill_chunk:
-        width = _round_up(tokens.shape[1], prefill_chunk)
+    width, prefill_chunk = prompt_width(tokens.shape[1], sp, prefill_chunk)
     tokens = jnp.pad(tokens, [(0, 0), (0, width - tokens.shape[1])], constant_values=pad_id)
     vision_mask = jnp.pad(vision_mask, [(0, 0), (0, width - vision_mask.shape[1])])
     graphdef, state = nnx.split(model)

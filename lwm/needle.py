@@ -44,6 +44,7 @@ __all__ = [
     "evaluate_needles",
     "needle_video",
     "side_by_side",
+    "shortest_text_prompt",
     "text_cases",
     "video_cases",
     "write_needle_videos",
@@ -127,6 +128,21 @@ def _number(rng: np.random.Generator) -> str:
     return str(int(rng.integers(1_000_000, 10_000_000)))
 
 
+def shortest_text_prompt(codec: TextCodec, needles: int = 1) -> int:
+    """The shortest prompt (in tokens) that holds the question and ``needles`` needles
+    whatever cities and numbers are drawn: the longest question, the longest needles, each
+    number counted as a token per character (and one for the space before it), which no
+    tokenizer of bytes exceeds."""
+    bos = 0 if codec.bos_id is None else 1
+    tail = max(len(codec.encode(" " + qa_prompt(QUESTION.format(city=c)))) for c in CITIES)
+    number = 1 + len(_number(np.random.default_rng(0)))
+    longest = sorted(
+        (len(codec.encode(" " + NEEDLE.format(city=c, number=""))) + number for c in CITIES),
+        reverse=True,
+    )
+    return bos + tail + sum(longest[:needles]) + 1
+
+
 def text_cases(
     codec: TextCodec,
     *,
@@ -139,11 +155,22 @@ def text_cases(
     seed: int = 0,
 ) -> Iterator[NeedleCase]:
     """The text (``needles == 1``) or multi-needle grid: ``samples`` cases per (length, depth);
-    ``length`` counts the whole prompt's tokens."""
+    ``length`` counts the whole prompt's tokens. Checked when called, before any case is made:
+    a length shorter than `shortest_text_prompt` is an error naming it."""
     if not 1 <= asked <= needles <= len(CITIES):
         raise ValueError(
             f"need 1 <= asked <= needles <= {len(CITIES)}, got {asked} asked of {needles}"
         )
+    least = shortest_text_prompt(codec, needles)
+    if min(lengths) < least:
+        raise ValueError(
+            f"a prompt of {min(lengths)} tokens cannot hold the question and the needles "
+            f"whichever are drawn; give lengths of at least {least}"
+        )
+    return _text_cases(codec, lengths, depths, samples, needles, asked, haystack, seed)
+
+
+def _text_cases(codec, lengths, depths, samples, needles, asked, haystack, seed):
     haystack = haystack or Haystack.from_file(codec)
     bos = [] if codec.bos_id is None else [codec.bos_id]
     for length in lengths:
@@ -161,7 +188,7 @@ def text_cases(
                 questions = [QUESTION.format(city=cities[k]) for k in ask]
                 tails = [codec.encode(" " + qa_prompt(q)) for q in questions]
                 fixed = len(bos) + max(len(t) for t in tails) + sum(len(x) for x in ids)
-                if length <= fixed:
+                if length <= fixed:  # `shortest_text_prompt` bounds it, for tokenizers of bytes
                     raise ValueError(
                         f"a prompt of {length} tokens cannot hold the question and the needles "
                         f"({fixed} tokens); give lengths of more than {fixed}"
@@ -364,7 +391,8 @@ class NeedleReport:
             "depths": depths,
             "accuracy": [[None if np.isnan(v) else round(float(v), 4) for v in row] for row in acc],
             "mean": float(np.nanmean(acc)) if np.isfinite(acc).any() else None,
-            "cases": len(self.rows),
+            "cases": len({(r["length"], r["depth"], r["sample"]) for r in self.rows}),
+            "questions": len(self.rows),  # a multi-needle case asks ``asked`` of them
         }
 
     def write_jsonl(self, path: str | Path) -> None:

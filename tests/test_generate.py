@@ -113,6 +113,10 @@ def test_sampling_filters():
     got_k = set(np.asarray(sample_logits(logits, keys, Sampling(1.0, top_k=3))).tolist())
     assert got_k <= top3 and len(got_k) > 1
     assert set(np.asarray(sample_logits(logits, keys, Sampling(1.0, top_k=1))).tolist()) == {greedy}
+    # a k at least the vocabulary keeps every token (it was JAX's error about top_k's k)
+    every = np.asarray(sample_logits(logits, keys, Sampling(1.0)))
+    for k in (50, 51, 10_000):
+        assert (np.asarray(sample_logits(logits, keys, Sampling(1.0, top_k=k))) == every).all()
     assert set(np.asarray(sample_logits(logits, keys, Sampling(1.0, top_p=1e-6))).tolist()) == {
         greedy
     }
@@ -272,6 +276,20 @@ def test_chunked_prefill_equals_one_prefill(mesh_shape, grid, window):
     out, _ = generate(model, tokens, vision, lens, key=key, max_new_tokens=5)
     got, _ = generate(model, tokens, vision, lens, key=key, max_new_tokens=5, prefill_chunk=8)
     assert np.asarray(got).tolist() == np.asarray(out).tolist()
+    # a chunk longer than the prompts is cut to them: one chunk of their width, not one of
+    # 10**6 tokens of padding (the padded prompts grew with the chunk)
+    got, _ = generate(model, tokens, vision, lens, key=key, max_new_tokens=5, prefill_chunk=10**6)
+    assert np.asarray(got).tolist() == np.asarray(out).tolist()
+
+
+def test_prompt_width_never_pads_past_one_chunk_or_shard():
+    from lwm.generate import prompt_width
+
+    assert prompt_width(283, 1, None) == (283, None)
+    assert prompt_width(283, 4, None) == (284, None)
+    assert prompt_width(283, 1, 128) == (384, 128)  # whole chunks
+    assert prompt_width(283, 1, 4096) == (283, 283)  # was 4096 tokens wide
+    assert prompt_width(283, 4, 4096) == (284, 284)
 
 
 @pytest.mark.parametrize("grid,window,chunk", [((4, 4), 1, 16), ((4, 4), 1, 512)])

@@ -36,7 +36,8 @@ def test_eval_needle_command_writes_jsonl_and_heatmap(run, tmp_path, capsys):
     captured = capsys.readouterr()
     summary = json.loads(captured.out.strip().splitlines()[-1])
     assert summary["kind"] == "multi" and summary["lengths"] == [96, 120]
-    assert summary["depths"] == [0.0, 1.0] and summary["cases"] == 8
+    assert summary["depths"] == [0.0, 1.0] and summary["cases"] == 4  # 2 lengths x 2 depths
+    assert summary["questions"] == 8  # two asked in each
     rows = [json.loads(x) for x in (out / "needle-multi.jsonl").read_text().splitlines()]
     assert len(rows) == 9 and rows[-1] == {"summary": summary}
     assert all(r["prompt_tokens"] <= r["length"] for r in rows[:-1])

@@ -111,8 +111,26 @@ def test_multi_needle_scores_the_share_of_asked_needles_found(codec):
     assert report.kind == "multi" and report.grid()[2][0, 0] == pytest.approx(0.5)
     with pytest.raises(ValueError, match="asked <= needles"):
         next(text_cases(codec, lengths=[800], depths=[0.0], needles=2, asked=3))
-    with pytest.raises(ValueError, match=r"a prompt of 5 tokens cannot hold .* more than \d+$"):
-        next(text_cases(codec, lengths=[5], depths=[0.0]))  # it said "a haystack of -13 tokens"
+    summary = report.summary()
+    assert summary["cases"] == 3 and summary["questions"] == 6  # "cases" counted questions
+    with pytest.raises(ValueError, match=r"a prompt of 5 tokens cannot hold .* at least \d+$"):
+        text_cases(codec, lengths=[5], depths=[0.0])  # it said "a haystack of -13 tokens"
+
+
+@pytest.mark.parametrize("needles", [1, 3])
+def test_every_length_from_the_shortest_prompt_holds_every_draw(codec, needles):
+    """The needles and questions are drawn per case, so the room they take varies: one bound,
+    `shortest_text_prompt`, checked for the whole grid before any case is made (37 tokens
+    failed, 38 held and 39 failed again, each after the cells before it had run)."""
+    from lwm.needle import shortest_text_prompt
+
+    least = shortest_text_prompt(codec, needles)
+    lengths = list(range(least, least + 24))
+    grid = text_cases(codec, lengths=lengths, depths=[0.0, 0.5, 1.0], samples=3, needles=needles)
+    for case in grid:
+        assert len(case.prompts[0][0]) <= case.length
+    with pytest.raises(ValueError, match=f"a prompt of {least - 1} tokens .* at least {least}$"):
+        text_cases(codec, lengths=[10**4, least - 1], depths=[0.5], needles=needles)
 
 
 def _first_of_each_case(answer):

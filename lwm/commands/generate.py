@@ -45,7 +45,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--temperature", type=non_negative_float, default=1.0, help="0 = greedy (default 1)"
     )
     parser.add_argument(
-        "--top-k", type=non_negative_int, default=0, help="sample from the k likeliest codes"
+        "--top-k",
+        type=non_negative_int,
+        default=0,
+        help="sample from the k likeliest codes (0, or more than there are: from all)",
     )
     parser.add_argument("--seed", type=int, default=0, help="draws the sampled codes (default 0)")
     parser.add_argument("--fps", type=positive_int, default=8, help="frame rate of the MP4")
