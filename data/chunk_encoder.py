@@ -12,6 +12,7 @@ import itertools
 import multiprocessing
 import multiprocessing.pool
 import os
+import signal
 import sys
 import threading
 import time
@@ -262,6 +263,10 @@ class ChunkEncoder:
 
 
 def _worker_init() -> None:
+    # Ctrl-C reaches the whole process group: the main process stops the pool (terminate).
+    # A worker interrupted itself dies inside the task queue's lock, which terminate then
+    # waits for forever, and prints a traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ["JAX_PLATFORMS"] = (
         "cpu"  # workers resize on the CPU; the accelerator is the encoder's
     )

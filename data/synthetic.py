@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -546,7 +547,11 @@ def write_dataset(
     if workers > 0 and count > 1:
         import multiprocessing
 
-        pool = multiprocessing.get_context("spawn").Pool(workers)
+        # The workers ignore Ctrl-C (it reaches the whole process group): the main process
+        # stops them; one interrupted itself could die holding the task queue's lock, on
+        # which `terminate` then waits forever.
+        ignore_sigint = (signal.SIGINT, signal.SIG_IGN)
+        pool = multiprocessing.get_context("spawn").Pool(workers, signal.signal, ignore_sigint)
         made: Any = pool.imap(draw, tasks, chunksize=max(1, min(16, count // (4 * workers))))
     else:
         made = map(draw, tasks)

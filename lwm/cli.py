@@ -105,6 +105,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = f"'{e.filename}': {e.strerror}" if e.filename else " ".join(str(e).split())
         print(f"lwm {top.command}: error: {message}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: what is finished stays (a rerun continues from it)
+        print(f"\nlwm {top.command}: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:  # the reader left (`lwm info ... | head`): stop without a trace
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1

@@ -73,7 +73,15 @@ class QAEvaluator:
         inputs = TrainingInputs.of(cfg.data.source)
         if not (ec.vqgan or inputs.get("vqgan")):
             raise TrainingInputError("eval.manifest needs eval.vqgan: the dataset names no VQGAN")
-        self.questions = read_questions(ec.manifest)
+        try:
+            self.questions = read_questions(ec.manifest)
+        except ValueError as e:  # no questions, or a line that is not a manifest's
+            raise TrainingInputError(f"eval.manifest: {e}") from None
+        if ec.swap and len({q.video for q in self.questions}) < 2:  # before the first step
+            raise TrainingInputError(
+                f"eval.manifest '{ec.manifest}' asks about one video; the video-swap ablation "
+                "needs two: ask about another video too, or set eval.swap=false"
+            )
         train_manifest = ec.train_manifest or inputs.get("manifest")
         self.blind = BlindBaseline.from_manifest(train_manifest) if train_manifest else None
         self.graphdef, self.swap, self.output = graphdef, ec.swap, output

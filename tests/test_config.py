@@ -1,5 +1,6 @@
 """Config loading: every shipped YAML, overrides, `base:` inheritance and error messages."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,9 @@ def test_every_config_loads(path: Path) -> None:
     config = load_config(path)
     assert isinstance(config, Config)
     assert config.model.vision_vocab_size == 8448
-    assert path.read_text().startswith(f"# lwm info configs/{path.name}\n")
+    # the command that shows it, with the devices its mesh needs where that is more than one
+    first = path.read_text().splitlines()[0]
+    assert re.fullmatch(rf"# lwm info configs/{path.name}( --cpu-devices \d+)?", first), first
 
 
 def test_context_stages_inherit_7b() -> None:
@@ -193,9 +196,9 @@ def test_unknown_keys_are_named_together_and_a_config_of_another_kind_says_so(tm
     message = str(info.value)
     assert message.startswith("unknown config keys 'model.wide', 'model.deep'; valid keys in ")
     assert message.count("hidden_size") == 1
-    with pytest.raises(ConfigError, match="is it a config of another kind than Config") as info:
+    with pytest.raises(ConfigError, match="^is it a config of another kind than Config") as info:
         load_config(CONFIGS / "vqgan" / "tiny.yaml")
-    assert len(str(info.value)) < 2000
+    assert len(str(info.value)) < 300 and "'model.resolution'" in str(info.value), info.value
 
 
 def test_a_folder_given_as_the_config_is_named_as_such(tmp_path) -> None:

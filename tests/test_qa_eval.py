@@ -205,6 +205,11 @@ def test_eval_qa_bad_input_is_one_line(tmp_path, capsys):
     assert capsys.readouterr().err == (
         f"lwm eval: error: --train-manifest '{tmp_path / 't.jsonl'}' not found\n"
     )
+    # questions about one video: no other to swap in (it failed after every answer)
+    turn = {"question": "How many?", "answer": "two", "category": "count"}
+    (tmp_path / "one.jsonl").write_text(json.dumps({"video": "a.mp4", "qa": [turn]}))
+    assert lwm([*qa, "--manifest", str(tmp_path / "one.jsonl")]) == 2
+    assert "asks about one video; the video-swap ablation needs two" in capsys.readouterr().err
 
 
 def test_plot_run_draws_loss_and_accuracy_per_category(tmp_path):

@@ -393,6 +393,43 @@ def one_process(tmp_path_factory, synthetic, vqgan_dir):
     return out
 
 
+def test_ctrl_c_stops_with_its_workers_and_keeps_the_finished_chunks(
+    tmp_path, synthetic, vqgan_dir
+):
+    """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) while the decoding
+    workers wait for work: exit 130 at once with one line, no traceback, the finished chunks
+    kept. The workers took the signal too and died inside the task queue's lock, printing
+    their tracebacks, and the pool's terminate then waited for that lock, at times forever."""
+    common = ["--input", str(synthetic), "--vqgan", str(vqgan_dir), "--output", str(tmp_path / "t")]
+    common += ["--chunk-size", "1", "--batch-frames", "16", "--no-progress", "--workers", "2"]
+    slow = HANG_AFTER.replace("threading.Event().wait()", "threading.Event().wait(3)")
+    proc = subprocess.Popen(  # the third save waits 3 s, the workers idle meanwhile
+        [sys.executable, "-c", slow, "2", "tokenize", *common],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, as a terminal's foreground job
+    )
+    work = tmp_path / "t.partial"
+    deadline = time.time() + 120
+    while not (work / "chunk-00001.json").exists():
+        assert proc.poll() is None, proc.stderr.read()
+        assert time.time() < deadline
+        time.sleep(0.01)
+    time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        _, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError(f"still running 60 s after Ctrl-C: {proc.communicate()[1]}") from None
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1].endswith("rerun the same command to continue")
+    assert len(list(work.glob("chunk-*.json"))) >= 2 and not (tmp_path / "t").exists()
+
+
 def _subprocess_env() -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS=subprocess_xla_flags())
 

@@ -334,12 +334,22 @@ def test_a_rerun_with_another_model_is_refused_and_changes_nothing(tmp_path):
     )
     after = {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != ".lock"}
     assert after == before
+    one_video = tmp_path / "one.jsonl"  # asked about one video: no other to swap in
+    turn = {"question": "How many?", "answer": "two", "category": "count"}
+    one_video.write_text(json.dumps({"video": "a.mp4", "qa": [turn, turn]}))
+    bad_line = tmp_path / "bad_line.jsonl"
+    bad_line.write_text(json.dumps({"video": "a.mp4", "qa": [["How many?", "two"]]}))
+    no_qa = tmp_path / "no_qa.jsonl"
+    no_qa.write_text(json.dumps({"video": "a.mp4", "text": "a caption"}))
     for bad, message in [
         ("eval.manifest=/nowhere.jsonl", "eval.manifest '/nowhere.jsonl' not found"),
+        (f"eval.manifest={one_video}", "asks about one video; the video-swap ablation needs two"),
+        (f"eval.manifest={no_qa}", f"eval.manifest: manifest '{no_qa}' has no questions"),
+        (f"eval.manifest={bad_line}", "line 1: each 'qa' entry needs string 'question'"),
         (f"train.init_from=foo:{out}", f"'foo:{out}': unknown format 'foo:'"),
         ("data.source=/nowhere", "'/nowhere' is not a token dataset"),
     ]:
-        r = lwm_train_here(tmp_path / "new", "train.steps=2", mesh, bad)
+        r = lwm_train_here(tmp_path / "new", "train.steps=2", mesh, bad, "eval.vqgan=/vq")
         assert r.returncode == 2 and message in r.stderr, r.stderr
         assert "Traceback" not in r.stderr and not (tmp_path / "new").exists(), bad
 

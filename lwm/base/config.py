@@ -90,12 +90,25 @@ def validate_config(data: Mapping[str, Any], root: type[RootT]) -> RootT:
         errors = e.errors()
         unknown: dict[tuple[str, ...], list[str]] = {}  # parent -> its unknown keys
         messages = []
+        missing = []
         for err in errors:
             if err["type"] == "extra_forbidden":
                 loc = _known_prefix(err["loc"], root)
                 unknown.setdefault(tuple(loc), []).append(str(err["loc"][len(loc)]))
             else:
                 messages.append(_format_error(err, root))
+                if err["type"] == "missing":
+                    missing.append(".".join(str(x) for x in err["loc"]))
+        strangers = [".".join((*parent, k)) for parent, keys in unknown.items() for k in keys]
+        if len(strangers) >= 5:  # a config of another kind: say so, without every valid key
+            shown = ", ".join(f"'{k}'" for k in strangers[:3])
+            message = (
+                f"is it a config of another kind than {root.__name__}? {len(strangers)} of its keys "
+                f"are unknown to it ({shown}, ...)"
+            )
+            if missing:
+                message += f" and it lacks {len(missing)} that it needs ('{missing[0]}', ...)"
+            raise ConfigError(message) from None
         for parent, keys in unknown.items():
             model = _model_at(parent, root)
             where = f"in '{'.'.join(parent)}'" if parent else "at the top level"
@@ -103,8 +116,6 @@ def validate_config(data: Mapping[str, Any], root: type[RootT]) -> RootT:
             named = ", ".join(f"'{'.'.join((*parent, k))}'" for k in keys)
             plural = "s" if len(keys) > 1 else ""
             messages.append(f"unknown config key{plural} {named}; valid keys {where}: {valid}")
-        if sum(len(k) for k in unknown.values()) >= 5:
-            messages.append(f"is it a config of another kind than {root.__name__}?")
         raise ConfigError("; ".join(dict.fromkeys(messages))) from None
 
 

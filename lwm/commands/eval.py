@@ -245,6 +245,11 @@ def run(args: argparse.Namespace) -> int:
             raise FileNotFoundError(f"{flag} '{path}' not found")
     try:
         questions = read_questions(args.manifest)
+        if not args.no_swap and len({q.video for q in questions}) < 2:  # before the model loads
+            raise ValueError(
+                f"--manifest '{args.manifest}' asks about one video; the video-swap ablation "
+                "needs two: ask about another video too, or give --no-swap"
+            )
         qa, inputs = load_video_qa(args, _log)
         train_manifest = args.train_manifest or inputs.get("manifest")
         blind = None
