@@ -65,7 +65,7 @@ class QAEvaluator:
     kept as ``OUTPUT/eval/qa-STEP.jsonl``."""
 
     def __init__(self, cfg: Config, graphdef, output: Path, log):
-        from lwm.qa_eval import BlindBaseline, read_questions
+        from lwm.qa_eval import BlindBaseline, read_questions, swap_videos
         from lwm.vision_qa import TrainingInputs, video_qa_for
 
         ec = cfg.eval
@@ -77,11 +77,14 @@ class QAEvaluator:
             self.questions = read_questions(ec.manifest)
         except ValueError as e:  # no questions, or a line that is not a manifest's
             raise TrainingInputError(f"eval.manifest: {e}") from None
-        if ec.swap and len({q.video for q in self.questions}) < 2:  # before the first step
+        try:  # before the first step: the ablation's own check
+            if ec.swap:
+                swap_videos([q.video for q in self.questions])
+        except ValueError:
             raise TrainingInputError(
                 f"eval.manifest '{ec.manifest}' asks about one video; the video-swap ablation "
                 "needs two: ask about another video too, or set eval.swap=false"
-            )
+            ) from None
         train_manifest = ec.train_manifest or inputs.get("manifest")
         self.blind = BlindBaseline.from_manifest(train_manifest) if train_manifest else None
         self.graphdef, self.swap, self.output = graphdef, ec.swap, output

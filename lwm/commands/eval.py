@@ -236,7 +236,7 @@ def _log(msg: str) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.subcommand == "needle":
         return _needle(args)
-    from lwm.qa_eval import BlindBaseline, evaluate, read_questions
+    from lwm.qa_eval import BlindBaseline, evaluate, read_questions, swap_videos
 
     if args.out:
         output_file("--out", args.out)
@@ -245,11 +245,14 @@ def run(args: argparse.Namespace) -> int:
             raise FileNotFoundError(f"{flag} '{path}' not found")
     try:
         questions = read_questions(args.manifest)
-        if not args.no_swap and len({q.video for q in questions}) < 2:  # before the model loads
+        try:  # before the model loads: the ablation's own check
+            if not args.no_swap:
+                swap_videos([q.video for q in questions])
+        except ValueError:
             raise ValueError(
                 f"--manifest '{args.manifest}' asks about one video; the video-swap ablation "
                 "needs two: ask about another video too, or give --no-swap"
-            )
+            ) from None
         qa, inputs = load_video_qa(args, _log)
         train_manifest = args.train_manifest or inputs.get("manifest")
         blind = None
