@@ -12,7 +12,9 @@ A ``qa`` entry may also carry ``"category"`` (for `lwm eval qa`'s table) and ``"
 ``false`` (the turn stays in the record as context but its answer is not trained on) or
 ``"alone"`` (its answer is trained on where the turn is asked alone, ``data.qa_turns:
 isolated``, and not where it follows the earlier turns: `data.tokens.LOSS_ALONE`). Relative paths are
-relative to the manifest's folder. A folder means every file with a video
+relative to the manifest's folder; every item's path is made absolute and normalised
+(``os.path.abspath``: no ``..``), so a dataset's records name their sources alike from any working
+directory. A folder means every file with a video
 extension under it (recursively, sorted by path), each with the caption in a sidecar file of the
 same name ending ``.txt`` (``a.mp4`` -> ``a.txt``) where there is one. The order of the items is
 the order of the dataset. A malformed line is an error of the whole input (`ManifestError`); a
@@ -102,14 +104,14 @@ def _folder_items(folder: Path) -> list[Item]:
             continue
         sidecar = video.with_suffix(".txt")
         caption = sidecar.read_text(encoding="utf-8").strip() if sidecar.is_file() else None
-        items.append(Item("video", str(video.absolute()), text=caption or None))
+        items.append(Item("video", os.path.abspath(video), text=caption or None))
     if not items:
         raise ManifestError(f"folder '{folder}' has no videos ({', '.join(VIDEO_SUFFIXES)})")
     return items
 
 
 def _manifest_items(path: Path) -> list[Item]:
-    base = path.parent.absolute()
+    base = Path(os.path.abspath(path.parent))
     items = []
     with path.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -171,4 +173,4 @@ def _item(row: Any, base: Path, where: str) -> Item:
     file = row[kind]
     if not isinstance(file, str) or not file:
         raise ManifestError(f"{where}: '{kind}' must be a path")
-    return Item(kind, str(base / file), text=text, qa=pairs)
+    return Item(kind, os.path.normpath(base / file), text=text, qa=pairs)

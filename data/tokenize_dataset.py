@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import sys
 import time
@@ -362,10 +363,10 @@ def _job(opts: TokenizeOptions, items: list[Item], codec: TextCodec, encoder: En
     """Everything the records depend on; a rerun continues only a job with the same values."""
     listing = json.dumps([item.to_json() for item in items], sort_keys=True).encode()
     return {
-        "input": str(Path(opts.input).absolute()),
+        "input": os.path.abspath(opts.input),
         "items": len(items),
         "items_sha256": hashlib.sha256(listing).hexdigest(),
-        "vqgan": str(Path(opts.vqgan).absolute()),
+        "vqgan": os.path.abspath(opts.vqgan),
         "resolution": encoder.resolution,
         "tokens_per_frame": encoder.tokens_per_frame,
         "codebook_size": encoder.codebook_size,

@@ -317,6 +317,26 @@ def test_bad_manifest_line_is_one_clear_error(tmp_path, vqgan_dir, capsys):
     assert code == 2 and f"manifest '{manifest}' line 2: not valid JSON" in err
 
 
+def test_item_paths_are_absolute_without_dots_from_any_working_directory(tmp_path, monkeypatch):
+    from data.manifest import read_inputs
+
+    (tmp_path / "clips" / "sub").mkdir(parents=True)
+    (tmp_path / "lists").mkdir()
+    for name in ("a.mp4", "sub/b.mp4"):
+        (tmp_path / "clips" / name).write_bytes(b"")
+    manifest = tmp_path / "lists" / "m.jsonl"
+    manifest.write_text('{"video": "../clips/a.mp4"}\n{"video": "../clips/./sub/b.mp4"}\n')
+    expected = [str(tmp_path / "clips" / "a.mp4"), str(tmp_path / "clips" / "sub" / "b.mp4")]
+    for cwd, given in (
+        (tmp_path, "lists/../lists/m.jsonl"),
+        (tmp_path / "clips", "../lists/m.jsonl"),
+    ):
+        monkeypatch.chdir(cwd)
+        assert [item.path for item in read_inputs(given)] == expected
+    monkeypatch.chdir(tmp_path / "lists")
+    assert [item.path for item in read_inputs("../lists/../clips")] == expected
+
+
 def test_train_runs_on_a_tokenized_dataset_and_evaluates_held_out_qa(
     tmp_path, synthetic, vqgan_dir, capsys
 ):
