@@ -12,7 +12,6 @@ import itertools
 import multiprocessing
 import multiprocessing.pool
 import os
-import signal
 import sys
 import threading
 import time
@@ -28,6 +27,7 @@ from data.decode import Decoded, DecodeOptions, decode_item
 from data.manifest import Item
 from data.tokens import build_example, text_first
 from data.workdir import chunk_json, chunk_shard, write_json
+from data.workers import spawn_pool, usable_cores
 
 __all__ = [
     "ChunkEncoder",
@@ -35,7 +35,6 @@ __all__ = [
     "EncoderPipeline",
     "default_workers",
     "start_workers",
-    "usable_cores",
 ]
 
 
@@ -262,24 +261,12 @@ class ChunkEncoder:
         write_json(chunk_json(work, c), info)
 
 
-def _worker_init() -> None:
-    # Ctrl-C reaches the whole process group: the main process stops the pool (terminate).
-    # A worker interrupted itself dies inside the task queue's lock, which terminate then
-    # waits for forever, and prints a traceback.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+def _decoder_setup() -> None:
     os.environ["JAX_PLATFORMS"] = (
         "cpu"  # workers resize on the CPU; the accelerator is the encoder's
     )
     with contextlib.suppress(ImportError):  # a missing decord is reported per file
         import decord  # noqa: F401  (imported now, while the main process loads its VQGAN)
-
-
-def usable_cores() -> int:
-    """The CPU cores this process may use."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 def default_workers() -> int:
@@ -296,8 +283,7 @@ def start_workers(workers: int) -> multiprocessing.pool.Pool | None:
     before loading its VQGAN has them ready, imports done, by the time it wants frames."""
     if workers <= 0:
         return None
-    ctx = multiprocessing.get_context("spawn")  # no fork of a process that holds JAX state
-    return ctx.Pool(workers, initializer=_worker_init)
+    return spawn_pool(workers, _decoder_setup)
 
 
 GROUP_ITEMS = 16  # the most items in one task sent to a worker

@@ -28,7 +28,8 @@ the video's turns in a drawn order; ``qa_layout="kind"`` (``--qa-records kind``)
 per kind of question (`VideoSpec.qa_records`). Categories (`CATEGORIES`): ``count``,
 ``count_shape``, ``colour``, ``shape``, ``direction``, ``needle``. Video paths in the manifest are relative
 to the manifest's directory (`data.manifest.read_inputs` reads them). Files are written under temporary
-names and renamed when complete.
+names and renamed when complete; ``OUT/videos.progress.jsonl`` lists the videos a run has made
+(and those it is about to replace) until it ends, so a rerun after a stop keeps them.
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -516,7 +516,8 @@ def write_dataset(
     that ``out/videos.jsonl`` already lists with the same attributes, and whose MP4 is there,
     is not rendered again. ``also``: more manifests of the same videos, written in the same
     pass, by file name, each with only the questions of its categories (``{"shapes.jsonl":
-    ("shape",)}``): what a second call with that name and those categories would write.
+    ("shape",)}``): what a second call with that name and those categories would write. A
+    call stopped part way leaves `LEDGER`, by which the next call keeps what it made.
     ``workers`` > 0: that many processes draw and render the videos (each video's draw depends
     only on ``seed`` and its index, so the output is the same as with none)."""
 
@@ -545,13 +546,9 @@ def write_dataset(
     tasks = [(i, written.get(_video_path(i))) for i in range(count)]
     pool = None
     if workers > 0 and count > 1:
-        import multiprocessing
+        from data.workers import spawn_pool
 
-        # The workers ignore Ctrl-C (it reaches the whole process group): the main process
-        # stops them; one interrupted itself could die holding the task queue's lock, on
-        # which `terminate` then waits forever.
-        ignore_sigint = (signal.SIGINT, signal.SIG_IGN)
-        pool = multiprocessing.get_context("spawn").Pool(workers, signal.signal, ignore_sigint)
+        pool = spawn_pool(workers)
         made: Any = pool.imap(draw, tasks, chunksize=max(1, min(16, count // (4 * workers))))
     else:
         made = map(draw, tasks)
@@ -559,21 +556,26 @@ def write_dataset(
         from tqdm import tqdm
 
         made = tqdm(made, total=count, desc="synthetic videos", unit="video")
+    ledger = (out / LEDGER).open("a", encoding="utf-8")
     try:
         for i, (spec, line) in enumerate(made):
             rel = _video_path(i)
             specs.append(line)
+            ledger.write(json.dumps(line) + "\n")  # done: a rerun after a stop keeps it
+            ledger.flush()
             for name, cats in manifests.items():
                 if captions:
                     lines[name].append({"video": rel, "text": spec.caption})
                 records = spec.qa_records(qa_layout, cats)
                 lines[name].extend({"video": rel, "qa": record} for record in records)
     finally:
+        ledger.close()
         if pool is not None:
             pool.terminate()
     write_jsonl(out / "videos.jsonl", specs)
     for name, manifest in lines.items():
         write_jsonl(out / name, manifest)
+    (out / LEDGER).unlink()
     return out / manifest_name
 
 
@@ -601,16 +603,46 @@ class _VideoMaker:
         rel = _video_path(i)
         line = json.loads(json.dumps({"video": rel, **spec.to_json()}))  # as it is read back
         if written != line or not (self.out / rel).is_file():
+            # Whatever was said of this file before no longer holds once it is replaced: the
+            # ledger says so first (one write, appended; the main process adds the new line
+            # after the video is written), so a run stopped in between renders it again.
+            fd = os.open(self.out / LEDGER, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+            try:
+                os.write(fd, (json.dumps({"video": rel, "stale": True}) + "\n").encode())
+            finally:
+                os.close(fd)
             # lossless, so every run trains the VQGAN and world model on the same pixels
             write_mp4(self.out / rel, render_video(spec), fps=self.draw["fps"], **LOSSLESS)
         return spec, line
 
 
+# Videos made, and about to be replaced, by a run not yet finished (`write_dataset` removes it
+# when it has written videos.jsonl): what a rerun after a stop may keep.
+LEDGER = "videos.progress.jsonl"
+
+
 def _written_videos(out: Path) -> dict[str, dict[str, Any]]:
-    """The lines of ``out/videos.jsonl`` by video path (none if it is missing or unreadable:
-    then every video is rendered)."""
+    """The line of each video whose MP4 is known to be what the line says, by video path:
+    ``out/videos.jsonl`` (none if it is missing or unreadable), then, in order, what the ledger
+    of a run that did not finish says (up to its first unreadable line, e.g. one cut by a
+    kill): videos made, and videos about to be replaced (forgotten)."""
     try:
         lines = [json.loads(x) for x in (out / "videos.jsonl").read_text().splitlines() if x]
-        return {line["video"]: line for line in lines}
+        written = {line["video"]: line for line in lines}
     except (OSError, ValueError, KeyError, TypeError):
-        return {}
+        written = {}
+    try:
+        ledger = (out / LEDGER).read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return written
+    for text in ledger:
+        try:
+            line = json.loads(text)
+            video = line["video"]
+        except (ValueError, KeyError, TypeError):
+            break
+        if line.get("stale"):
+            written.pop(video, None)
+        else:
+            written[video] = line
+    return written

@@ -216,10 +216,57 @@ def test_worker_processes_write_the_same_dataset(tmp_path: Path) -> None:
     parallel = write_dataset(tmp_path / "parallel", workers=2, **kwargs)
     for name in ("manifest.jsonl", "s.jsonl", "videos.jsonl"):
         assert (parallel.parent / name).read_text() == (serial.parent / name).read_text()
+    assert not (parallel.parent / "videos.progress.jsonl").exists()
     for i in range(6):
         a = read_video(serial.parent / f"videos/{i:05d}.mp4")
         b = read_video(parallel.parent / f"videos/{i:05d}.mp4")
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_stopped_run_keeps_its_videos_and_forgets_the_one_it_was_replacing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+    import shutil
+
+    import lwm.base.media
+
+    a, b = (
+        dict(count=6, seed=0, size=32, num_frames=4),
+        dict(count=6, seed=0, size=32, num_frames=6),
+    )
+    out, other = tmp_path / "out", tmp_path / "other"
+    write_dataset(out, **a)
+    real, calls = lwm.base.media.write_mp4, []
+
+    def stopped_on_the_third(*args, **kwargs):
+        real(*args, **kwargs)  # the third video is replaced, then the run stops
+        calls.append(args[0])
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(lwm.base.media, "write_mp4", stopped_on_the_third)
+    with pytest.raises(KeyboardInterrupt):
+        write_dataset(out, **b)
+    monkeypatch.setattr(lwm.base.media, "write_mp4", real)
+    for mp4 in (out / "videos").iterdir():
+        os.utime(mp4, ns=(1, 1))
+    shutil.copytree(out, other)
+    # Rerun as stopped: the two videos it finished are kept, the rest made.
+    write_dataset(out, **b)
+    kept = [(out / f"videos/{i:05d}.mp4").stat().st_mtime_ns == 1 for i in range(6)]
+    assert kept == [True, True, False, False, False, False]
+    # Back to the first world: the three it replaced (the third before its line) are made again.
+    write_dataset(other, **a)
+    kept = [(other / f"videos/{i:05d}.mp4").stat().st_mtime_ns == 1 for i in range(6)]
+    assert kept == [False, False, False, True, True, True]
+    for folder, world in ((out, b), (other, a)):
+        fresh = write_dataset(tmp_path / f"fresh{world['num_frames']}", **world).parent
+        for name in ("manifest.jsonl", "videos.jsonl"):
+            assert (folder / name).read_text() == (fresh / name).read_text()
+        assert not (folder / "videos.progress.jsonl").exists()
+        for i in range(6):
+            assert len(read_video(folder / f"videos/{i:05d}.mp4")) == world["num_frames"]
 
 
 def test_bad_video_is_one_clear_error(tmp_path: Path) -> None:

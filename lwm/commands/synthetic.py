@@ -6,7 +6,8 @@ captions and questions whose answers follow from the frames (`data.synthetic`):
 OUT/videos/NNNNN.mp4, OUT/videos.jsonl (every attribute of every video) and OUT/manifest.jsonl
 (the input of `lwm tokenize`; its path is printed). A world that cannot be drawn (shapes too
 large for the frame) is one error line. `--manifest shapes.jsonl --categories shape` adds a
-second manifest to the same folder without rendering its videos again.
+second manifest to the same folder without rendering its videos again, and a rerun of a run
+that was stopped keeps the videos it finished (OUT/videos.progress.jsonl until it ends).
 """
 
 from __future__ import annotations
@@ -116,8 +117,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from data.chunk_encoder import usable_cores
     from data.synthetic import write_dataset
+    from data.workers import usable_cores
 
     output_folder("--out", args.out)
     names = [name for name, _ in args.also_manifest]
