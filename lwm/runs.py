@@ -138,6 +138,17 @@ def _first_restorable(manager, abstract_state, log: Log, damaged: list[int], par
     return None
 
 
+def run_config(run_dir: str | Path) -> Config:
+    """The config of an `lwm train` run (its ``config.yaml``), read without its weights."""
+    run_dir = Path(run_dir)
+    config_file, checkpoints = run_dir / "config.yaml", run_dir / "checkpoints"
+    if not config_file.is_file() or not checkpoints.is_dir():
+        raise FileNotFoundError(
+            f"'{run_dir}' is not an lwm train run (expected config.yaml and checkpoints/)"
+        )
+    return load_config(config_file)
+
+
 def load_run(
     run_dir: str | Path, *, mesh: Mesh | None = None, log: Log = _stderr
 ) -> tuple[Config, LWMModel]:
@@ -146,13 +157,8 @@ def load_run(
     Only the parameters are read (not the optimizer state). With ``mesh`` they land in its
     shardings; without, on one device.
     """
-    run_dir = Path(run_dir)
-    config_file, checkpoints = run_dir / "config.yaml", run_dir / "checkpoints"
-    if not config_file.is_file() or not checkpoints.is_dir():
-        raise FileNotFoundError(
-            f"'{run_dir}' is not an lwm train run (expected config.yaml and checkpoints/)"
-        )
-    cfg = load_config(config_file)
+    cfg = run_config(run_dir)
+    checkpoints = Path(run_dir) / "checkpoints"
     graphdef, abs_params = abstract_params(cfg.model, mesh)
     manager = checkpoint_manager(checkpoints, cfg)
     try:

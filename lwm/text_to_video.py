@@ -116,7 +116,7 @@ def load_video_generator(
     cfg, lm = load_language_model(model, config=config, mesh=mesh, log=log)
     inputs = TrainingInputs.of(cfg.data.source)
     vqgan = inputs.vqgan_path(vqgan)
-    codec = TextCodec.load(tokenizer or inputs.get("tokenizer"))
+    codec = inputs.text_codec(tokenizer)
     encoder = load_tokenizer(vqgan, mesh=mesh)
     codes = encoder.codebook_size
     if cfg.model.vision_codes and codes > cfg.model.vision_codes:

@@ -185,6 +185,13 @@ class TrainingInputs(dict):
         }
         return cls({k: v for k, v in found.items() if v is not None})
 
+    def text_codec(self, given: str | None = None):
+        """The `data.tokens.TextCodec` of ``given`` (a tokenizer folder), else of the training
+        dataset's tokenizer, else the default one."""
+        from data.tokens import TextCodec
+
+        return TextCodec.load(given or self.get("tokenizer"))
+
     def vqgan_path(self, given: str | None = None) -> str:
         """``given``, else the training dataset's VQGAN; a `ValueError` naming what is missing
         when there is neither."""
@@ -198,27 +205,46 @@ class TrainingInputs(dict):
         raise ValueError("a VQGAN is needed (--vqgan): the model's training dataset names none")
 
 
-def load_language_model(model: str, *, config: str | None = None, mesh=None, log=print):
-    """``(config, model)`` for ``model``: ``run:DIR`` (an `lwm train` output, its own config),
-    or a `lwm.weights.load_model` source with the model ``config`` file."""
+def model_config(model: str, *, config: str | None = None):
+    """The config of ``model``, read without its weights: a run's own (``run:DIR``), or the
+    ``config`` file given with any other `lwm.weights.load_model` source."""
     from lwm.config import load_config
-    from lwm.weights import detect_format, load_model
+    from lwm.weights import detect_format
 
     fmt, location = detect_format(model)
     if fmt == "run":  # the run's own config says how its dataset was made
-        from lwm.runs import load_run
+        from lwm.runs import run_config
 
         if config:  # it was ignored without a word
             raise ValueError(
                 f"--config is for weights without one (hf:, lwm:, orbax:); the run '{location}' "
                 "brings its own (config.yaml)"
             )
-
-        return load_run(location, mesh=mesh, log=log)
+        return run_config(location)
     if not config:
         raise ValueError("a model config is needed with a --model that is not run:DIR")
-    cfg = load_config(config)
+    return load_config(config)
+
+
+def load_language_model(model: str, *, config: str | None = None, mesh=None, log=print):
+    """``(config, model)`` for ``model``: ``run:DIR`` (an `lwm train` output, its own config),
+    or a `lwm.weights.load_model` source with the model ``config`` file (`model_config`)."""
+    from lwm.weights import detect_format, load_model
+
+    cfg = model_config(model, config=config)
+    fmt, location = detect_format(model)
+    if fmt == "run":
+        from lwm.runs import load_run
+
+        return load_run(location, mesh=mesh, log=log)
     return cfg, load_model(model, cfg.model, mesh=mesh)
+
+
+def text_codec_for(model: str, *, config: str | None = None, tokenizer: str | None = None):
+    """The text tokenizer `load_video_qa` would give ``model`` (``tokenizer``, else its
+    training dataset's), without loading the model: for checks before it loads."""
+    cfg = model_config(model, config=config)
+    return TrainingInputs.of(cfg.data.source).text_codec(tokenizer)
 
 
 def load_video_qa(
@@ -259,10 +285,9 @@ def video_qa_for(
     """A `VideoQA` whose VQGAN, text tokenizer and frame sampling default to those of the
     training dataset described by ``inputs``; ``options`` go to `VideoQA`. ``vqgan=False``:
     text prompts only, no VQGAN loaded."""
-    from data.tokens import TextCodec
     from vqgan import load_tokenizer
 
-    codec = TextCodec.load(tokenizer or inputs.get("tokenizer"))
+    codec = inputs.text_codec(tokenizer)
     if vqgan is False:
         return VideoQA(model, codec, None, **options)
     vqgan = inputs.vqgan_path(vqgan)

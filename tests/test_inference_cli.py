@@ -46,9 +46,15 @@ def test_eval_needle_command_writes_jsonl_and_heatmap(run, tmp_path, capsys):
     # bad input: one line, exit 2
     assert lwm([*needle, "--depths", "0,1.5"]) == 2
     assert capsys.readouterr().err.strip() == "lwm eval: error: depth 1.5 is not in [0, 1]"
+    # said before the model loads (it logs "loaded ... at step"): the haystack, and a length
+    # too short for whichever needles are drawn
     assert lwm([*needle, "--haystack", str(tmp_path / "none.txt")]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1] == f"lwm eval: error: haystack file '{tmp_path / 'none.txt'}' not found"
+    err = capsys.readouterr().err
+    assert err == f"lwm eval: error: haystack file '{tmp_path / 'none.txt'}' not found\n"
+    assert lwm([*needle, "--lengths", "20,96", "--kind", "multi", "--needles", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("lwm eval: error: a prompt of 20 tokens cannot hold the question")
+    assert len(err.splitlines()) == 1
     assert lwm([*needle, "--kind", "video", "--needle-colours", "white,pink"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("lwm eval: error: --needle-colours: unknown colour 'pink' (known: red,")

@@ -307,8 +307,21 @@ def _needle(args: argparse.Namespace) -> int:
         print(f"lwm eval: error: --needle-colours: {e}", file=sys.stderr)
         return 2
     try:
-        qa, _ = load_video_qa(args, _log, vqgan=args.kind == "video")
         common = dict(lengths=args.lengths, depths=args.depths, samples=args.samples)
+        if args.kind != "video":  # its lengths and haystack checked before the model loads
+            from lwm.vision_qa import text_codec_for
+
+            codec = text_codec_for(args.model, config=args.config, tokenizer=args.tokenizer)
+            multi = args.kind == "multi"
+            cases = text_cases(
+                codec,
+                **common,
+                needles=args.needles if multi else 1,
+                asked=args.asked if multi else 1,
+                haystack=Haystack.from_file(codec, args.haystack),
+                seed=args.seed,
+            )
+        qa, _ = load_video_qa(args, _log, vqgan=args.kind == "video")
         if args.kind == "video":
             cases = video_cases(
                 qa.codec,
@@ -323,16 +336,6 @@ def _needle(args: argparse.Namespace) -> int:
                 travel=DEMO_WORLD["travel"],
                 needle_radius=tuple(args.needle_radius) if args.needle_radius else None,
                 needle_colours=args.needle_colours,
-            )
-        else:
-            multi = args.kind == "multi"
-            cases = text_cases(
-                qa.codec,
-                **common,
-                needles=args.needles if multi else 1,
-                asked=args.asked if multi else 1,
-                haystack=Haystack.from_file(qa.codec, args.haystack),
-                seed=args.seed,
             )
         report = evaluate_needles(qa, cases, log=_log)
     except (ValueError, FileNotFoundError) as e:
