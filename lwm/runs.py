@@ -25,8 +25,9 @@ Log = Callable[[str], None]
 
 
 class CheckpointMismatchError(ValueError):
-    """A checkpoint holds parameters of other shapes than the config asks for: not damage, so
-    nothing is renamed and nothing is trained over it."""
+    """A checkpoint holds parameters of other shapes, or a state of another tree structure,
+    than the config asks for: not damage, so nothing is renamed and nothing is trained over
+    it."""
 
 
 def _stderr(msg: str) -> None:
@@ -127,6 +128,11 @@ def _first_restorable(manager, abstract_state, log: Log, damaged: list[int], par
                 raise CheckpointMismatchError(
                     f"checkpoint {step} in '{manager.directory}' holds parameters of other "
                     f"shapes than the config asks for ({reason})"
+                ) from None
+            if "tree structures do not match" in reason:
+                raise CheckpointMismatchError(
+                    f"checkpoint {step} in '{manager.directory}' holds a state of another form "
+                    f"than the config asks for (another optimizer?) ({reason})"
                 ) from None
             log(
                 f"checkpoint {step} cannot be restored ({type(e).__name__}: {reason}); "

@@ -38,7 +38,7 @@ from lwm.runs import (
     restore_newest,
     save_checkpoint,
 )
-from lwm.train_data import TrainingError, TrainingInputError, build_loader
+from lwm.train_data import TrainingError, TrainingInputError, build_loader, restore_loader
 from lwm.train_step import (
     abstract_train_state,
     batch_sharding,
@@ -159,7 +159,7 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
     tx, schedule = optimizer_from_config(tc)
     graphdef, abs_params, abs_opt = abstract_train_state(model_cfg, mesh, tx)
     shardings = jax.tree.map(lambda x: x.sharding, {"params": abs_params, "opt_state": abs_opt})
-    _check_same_model(output, model_cfg)
+    found = _check_same_model(output, model_cfg, tc)
     loader = build_loader(cfg, seq_len, layout)
     manager = checkpoint_manager(output / "checkpoints", cfg)
 
@@ -167,8 +167,10 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
     if resumed is not None:
         start, state, meta = resumed
         params, opt_state = state["params"], state["opt_state"]
-        loader.restore(meta["loader"])
+        restore_loader(loader, meta["loader"], str(output))
         log(f"resumed from checkpoint {start} in {output / 'checkpoints'}")
+        if found is not None and start < tc.steps:
+            _log_changes(found, cfg, start, output, schedule, log)
     else:
         start = 0
         params = _initial_params(cfg, model_cfg, mesh, log, getattr(loader, "metadata", None))
@@ -372,22 +374,78 @@ def _many_processes() -> bool:
     return jax.process_count() > 1
 
 
-def _check_same_model(output: Path, model_cfg) -> None:
-    """Refuse to resume a run of another model in ``output`` (its config.yaml and checkpoints):
-    its checkpoints would not restore, and training from scratch there would bury them."""
+def _check_same_model(output: Path, model_cfg, tc) -> Config | None:
+    """Refuse to resume a run of another model, or of another form of optimizer state
+    (``tc``: the train settings), in ``output`` (its config.yaml and checkpoints): its
+    checkpoints would not restore, and training from scratch there would bury them."""
     from lwm.base.config import resumable_config
     from lwm.config import Config
     from lwm.info import shape_differences
 
     found = resumable_config(output, Config)
     if found is None:
-        return
+        return None
     differences = shape_differences(found.model, model_cfg)
     if differences:
         raise TrainingInputError(
             f"train.output_dir '{output}' holds a run of another model ({'; '.join(differences)});"
             " resume it with its own model settings, or choose another train.output_dir"
         )
+    differences = [
+        f"train.{key}: {there} there, {here} here"
+        for key, there, here in zip(
+            ("optimizer", "clip_norm"),
+            _optimizer_structure(found.train),
+            _optimizer_structure(tc),
+            strict=True,
+        )
+        if there != here
+    ]
+    if differences:  # its checkpoints would not restore, and were taken for damaged ones
+        raise TrainingInputError(
+            f"train.output_dir '{output}' holds a run whose optimizer state has another form "
+            f"({'; '.join(differences)}); resume it with its own settings, or start a new run "
+            f"from its weights (train.init_from=run:{output} and another train.output_dir)"
+        )
+    return found
+
+
+def _log_changes(found: Config, cfg: Config, start: int, output: Path, schedule, log) -> None:
+    """Say which settings a resume changes from the run's ``config.yaml`` (which then holds
+    the new ones: the old file is kept as ``config.until-START.yaml``), and where a new
+    ``train.steps`` moves the learning rate of a decaying schedule (it is spread over the new
+    number of steps, so extending a finished cosine run raises it again)."""
+    from lwm.base.config import setting_differences
+
+    changed = [
+        difference
+        for section in ("model", "train", "data", "eval")
+        for difference in setting_differences(
+            getattr(found, section), getattr(cfg, section), section
+        )
+    ]
+    if not changed:
+        return
+    if jax.process_index() == 0:
+        (output / f"config.until-{start}.yaml").write_text(config_to_yaml(found))
+    log(
+        f"resuming with other settings than the run's: {'; '.join(changed)} (its config until "
+        f"step {start} kept as config.until-{start}.yaml)"
+    )
+    if found.train.steps != cfg.train.steps and cfg.train.schedule != "constant":
+        before, after = optimizer_from_config(found.train)[1], schedule
+        log(
+            f"train.steps {found.train.steps} -> {cfg.train.steps} spreads the "
+            f"{cfg.train.schedule} schedule over the new steps: the learning rate of step "
+            f"{start + 1} is {float(after(start)):.3g} (step {start} had "
+            f"{float(before(start - 1)):.3g})"
+        )
+
+
+def _optimizer_structure(tc) -> tuple[str, str]:
+    """What of ``train`` decides the form of the optimizer state (`make_optimizer`): the
+    optimizer, and whether gradients are clipped (its value may change on a resume)."""
+    return tc.optimizer, "none" if tc.clip_norm is None else "a number"
 
 
 def _initial_params(cfg, model_cfg, mesh, log, metadata=None):

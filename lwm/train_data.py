@@ -15,7 +15,14 @@ from data.batches import Loader, SyntheticTokenLoader
 from data.tokens import frame_markers
 from lwm.config import Config, ConfigError, ModelConfig
 
-__all__ = ["TrainingError", "TrainingInputError", "build_loader", "check_dataset", "window_spec"]
+__all__ = [
+    "TrainingError",
+    "TrainingInputError",
+    "build_loader",
+    "check_dataset",
+    "restore_loader",
+    "window_spec",
+]
 
 
 class TrainingError(RuntimeError):
@@ -58,6 +65,40 @@ def build_loader(cfg: Config, seq_len: int, layout: np.ndarray | None) -> Loader
     )
     check_dataset(data.source, loader.metadata, cfg.model)
     return loader
+
+
+# The setting behind each entry of a loader's state that must be the same on a resume.
+STATE_SETTINGS = {
+    "kind": "data.source",
+    "num_examples": "data.source (its examples)",
+    "seed": "data.shuffle_seed",
+    "pack": "data.pack",
+    "qa_turns": "data.qa_turns",
+    "chained_share": "data.qa_chained_share",
+    "seq_len": "train.seq_len",
+    "batch_size": "train.batch_size",
+}
+
+
+def restore_loader(loader: Loader, state: dict[str, Any], run: str) -> None:
+    """Put ``loader`` where the checkpoint of the run in ``run`` left its data (``state``); a
+    `TrainingInputError` naming the settings when the run read its data otherwise (its place
+    in them does not carry over)."""
+    try:
+        loader.restore(state)
+    except ValueError as e:
+        ours = loader.state()
+        differ = [
+            f"{name}: {state.get(key)} there, {ours.get(key)} here"
+            for key, name in STATE_SETTINGS.items()
+            if (key == "kind" or (key in state and key in ours)) and state.get(key) != ours.get(key)
+        ]
+        raise TrainingInputError(
+            f"train.output_dir '{run}' holds a run that read its data otherwise "
+            f"({'; '.join(differ) if differ else e}); resume it with the settings it ran with, "
+            f"or start a new run from its weights (train.init_from=run:{run} and another "
+            "train.output_dir)"
+        ) from None
 
 
 def window_spec(model: ModelConfig) -> tuple[tuple[int, int], int] | None:

@@ -378,6 +378,19 @@ def test_train_runs_on_a_tokenized_dataset_and_evaluates_held_out_qa(
     )
     assert f"blind baseline from {synthetic}" in err
     assert "step 4: held-out QA accuracy" in err
+    # Extended with another batch size, its place in the data does not carry over: one line
+    # naming the setting (it was a traceback, exit 1), nothing changed.
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != ".lock"}
+    argv = ["train", "--config", str(ROOT / "configs/tiny.yaml"), *overrides, "train.steps=6"]
+    assert lwm([*argv, "train.batch_size=16"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == (
+        f"lwm train: error: train.output_dir '{run}' holds a run that read its data otherwise "
+        "(train.batch_size: 8 there, 16 here); resume it with the settings it ran with, or start "
+        f"a new run from its weights (train.init_from=run:{run} and another train.output_dir)"
+    )
+    after = {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != ".lock"}
+    assert after == before
 
 
 def _qa_lines(manifest: Path) -> list[dict]:

@@ -334,6 +334,19 @@ def test_a_rerun_with_another_model_is_refused_and_changes_nothing(tmp_path):
     )
     after = {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != ".lock"}
     assert after == before
+    # Another form of optimizer state: refused alike (the checkpoints were taken for damaged,
+    # set aside, and the run started again from step 0, exit 0), with its config.yaml or not.
+    for other in ("train.optimizer=muon", "train.clip_norm=null"):
+        r = lwm_train_here(out, "train.steps=4", other, mesh)
+        assert r.returncode == 2 and "whose optimizer state has another form" in r.stderr
+        setting = other.split("=")[0]
+        assert f"{setting}: " in r.stderr and f"train.init_from=run:{out}" in r.stderr
+    (out / "config.yaml").rename(tmp_path / "config.yaml")
+    r = lwm_train_here(out, "train.steps=4", "train.optimizer=muon", mesh)
+    assert r.returncode == 2 and "holds a state of another form" in r.stderr, r.stderr
+    (tmp_path / "config.yaml").rename(out / "config.yaml")
+    after = {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != ".lock"}
+    assert after == before
     one_video = tmp_path / "one.jsonl"  # asked about one video: no other to swap in
     turn = {"question": "How many?", "answer": "two", "category": "count"}
     one_video.write_text(json.dumps({"video": "a.mp4", "qa": [turn, turn]}))
@@ -371,6 +384,37 @@ def test_a_muon_run_resumes_to_the_same_losses(tmp_path):
     got = losses(tmp_path)
     for step in (4, 5, 6):
         assert got[step] == first[step], (step, got[step], first[step])
+
+
+def test_a_resume_with_other_settings_says_so_and_keeps_the_old_config(tmp_path):
+    """Settings that may change on a resume are named, with where a new train.steps moves a
+    decaying learning rate (it jumped back up, without a word, when a finished cosine run was
+    extended), and the config the earlier steps ran with is kept beside the new one."""
+    args = ["train.save_every=2", "mesh.shape=1,2,2,2", "train.schedule=cosine"]
+    assert lwm_train_here(tmp_path, "train.steps=4", *args).returncode == 0
+    old_config = (tmp_path / "config.yaml").read_text()
+    first = {
+        json.loads(x)["step"]: json.loads(x)
+        for x in (tmp_path / "metrics.jsonl").read_text().splitlines()
+    }
+    r = lwm_train_here(tmp_path, "train.steps=6", "train.learning_rate=2e-3", *args)
+    assert r.returncode == 0, r.stderr
+    lines = [x for x in r.stderr.splitlines() if "resuming with other settings" in x]
+    assert lines == [
+        "lwm train: resuming with other settings than the run's: train.steps: 4 there, 6 here; "
+        "train.learning_rate: 0.003 there, 0.002 here (its config until step 4 kept as "
+        "config.until-4.yaml)"
+    ]
+    logged = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    step5 = next(x for x in logged if x["step"] == 5)["learning_rate"]
+    step4 = first[4]["learning_rate"]
+    assert step5 != step4  # the cosine over 6 steps, from 2e-3
+    assert (
+        f"lwm train: train.steps 4 -> 6 spreads the cosine schedule over the new steps: the "
+        f"learning rate of step 5 is {step5:.3g} (step 4 had {step4:.3g})"
+    ) in r.stderr.splitlines()
+    assert (tmp_path / "config.until-4.yaml").read_text() == old_config
+    assert "learning_rate: 0.002" in (tmp_path / "config.yaml").read_text()
 
 
 def test_non_finite_loss_stops_naming_the_step(tmp_path):
