@@ -124,3 +124,20 @@ def test_generate_writes_clips_of_the_asked_frames(run, tmp_path, capsys):
         f"{small} decodes 32; train with model.vision_codes=32, or give that model's VQGAN"
     )
     assert not clip.exists() and not (tmp_path / "two.png").exists()
+
+
+def test_a_step_of_a_run_given_as_orbax_weights_names_the_run(run):
+    """A run's checkpoint folder (or its state) given as ``orbax:``: one error naming the run
+    to give instead (it was an AttributeError, or an optimizer tensor "with no place")."""
+    from lwm.runs import run_config
+    from lwm.weights import WeightsError, load_model
+
+    cfg = run_config(run).model
+    (step,) = [p for p in (run / "checkpoints").iterdir() if p.name.isdigit()]
+    for given in (step, step / "state"):
+        with pytest.raises(WeightsError) as e:
+            load_model(f"orbax:{given}", cfg)
+        assert str(e.value) == (
+            f"'{given}' is a checkpoint of the lwm train run '{run}', not parameters saved "
+            f"alone: give the run, run:{run} (its newest checkpoint that restores)"
+        )

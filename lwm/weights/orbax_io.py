@@ -55,6 +55,19 @@ def _flat(tree: Any) -> dict[str, Any]:
     return {".".join(str(getattr(k, "key", k)) for k in path): v for path, v in leaves}
 
 
+def _not_params(path: Path, composite: bool) -> str:
+    """Why ``path`` is not what `save_params` writes: a step of an `lwm train` run's
+    checkpoints (or its ``state``, with the optimizer state), named as the run to give."""
+    for run in (path.parent.parent, path.parent.parent.parent):
+        if (run / "config.yaml").is_file() and (run / "checkpoints") in path.parents:
+            return (
+                f"'{path}' is a checkpoint of the lwm train run '{run}', not parameters saved "
+                f"alone: give the run, run:{run} (its newest checkpoint that restores)"
+            )
+    what = "several items (a CheckpointManager step?)" if composite else "an optimizer state"
+    return f"'{path}' holds {what}, not parameters saved alone (lwm.weights.save_params)"
+
+
 def load_params(
     directory: str | os.PathLike, cfg: ModelConfig, mesh: Mesh | None = None
 ) -> LWMModel:
@@ -82,7 +95,10 @@ def load_params(
         nnx.to_pure_dict(shardings),
     )
     with ocp.StandardCheckpointer() as ckptr:
-        saved = _flat(ckptr.metadata(path).item_metadata.tree)
+        item = ckptr.metadata(path).item_metadata
+        if item is None or any(name.startswith("opt_state.") for name in _flat(item.tree)):
+            raise WeightsError(_not_params(path, item is None))
+        saved = _flat(item.tree)
         wanted = _flat(target)
         for name in saved:
             if name not in wanted:
