@@ -110,7 +110,7 @@ def load_video_generator(
 ) -> VideoGenerator:
     """A `VideoGenerator` for ``model`` (``run:DIR``, or a weights source with ``config``);
     the VQGAN and the text tokenizer default to those of its training dataset."""
-    from lwm.vision_qa import TrainingInputs, load_language_model
+    from lwm.vision_qa import TrainingInputs, check_vqgan_fits, load_language_model
     from vqgan import load_tokenizer
 
     cfg, lm = load_language_model(model, config=config, mesh=mesh, log=log)
@@ -118,12 +118,8 @@ def load_video_generator(
     vqgan = inputs.vqgan_path(vqgan)
     codec = inputs.text_codec(tokenizer)
     encoder = load_tokenizer(vqgan, mesh=mesh)
+    check_vqgan_fits(encoder, vqgan, cfg.model, inputs)
     codes = encoder.codebook_size
-    if cfg.model.vision_codes and codes > cfg.model.vision_codes:
-        raise ValueError(
-            f"the VQGAN {vqgan} has {codes} codes, more than the model's vision_codes "
-            f"({cfg.model.vision_codes})"
-        )
     if (cfg.model.vision_codes or NUM_CODES) > codes:  # it would sample codes past the VQGAN's
         raise ValueError(
             f"the model samples {cfg.model.vision_codes or NUM_CODES} codes "

@@ -88,13 +88,17 @@ class QAEvaluator:
         train_manifest = ec.train_manifest or inputs.get("manifest")
         self.blind = BlindBaseline.from_manifest(train_manifest) if train_manifest else None
         self.graphdef, self.swap, self.output = graphdef, ec.swap, output
-        self.qa = video_qa_for(
-            None,  # the model of the current parameters, set at each evaluation
-            inputs,
-            ec.vqgan,
-            max_new_tokens=ec.max_new_tokens,
-            batch_size=ec.batch_size,
-        )
+        try:
+            self.qa = video_qa_for(
+                None,  # the model of the current parameters, set at each evaluation
+                inputs,
+                ec.vqgan,
+                model_cfg=cfg.model,
+                max_new_tokens=ec.max_new_tokens,
+                batch_size=ec.batch_size,
+            )
+        except ValueError as e:  # a VQGAN that does not fit the model or its dataset
+            raise TrainingInputError(f"eval.vqgan: {e}") from None
         for q in self.questions:  # encode every video now, not in the middle of training
             self.qa.codes(q.video)
         log(

@@ -173,8 +173,13 @@ class TrainingInputs(dict):
         except ValueError:
             return cls()
         sampling = meta.get("sampling") or {}
+        vq = meta.get("vqgan") or {}
         found = {
-            "vqgan": (meta.get("vqgan") or {}).get("path"),
+            "vqgan": vq.get("path"),
+            "vqgan_shape": {
+                k: vq[k] for k in ("resolution", "tokens_per_frame", "codebook_size") if k in vq
+            }
+            or None,
             "tokenizer": (meta.get("text_tokenizer") or {}).get("name"),
             "max_frames": sampling.get("max_frames"),
             "fps": sampling.get("fps"),
@@ -203,6 +208,39 @@ class TrainingInputs(dict):
                 "is not found from here (a relative path is read from the current directory)"
             )
         raise ValueError("a VQGAN is needed (--vqgan): the model's training dataset names none")
+
+
+def check_vqgan_fits(encoder: Any, path: str, model_cfg: Any, inputs: TrainingInputs) -> None:
+    """A `ValueError` when the VQGAN at ``path`` (loaded: ``encoder``) cannot be the one the
+    model learned to read: more codes than the model's ``vision_codes``, another code grid
+    than its ``vision_grid``, or another resolution, grid or codebook than its training
+    dataset was tokenized with (``inputs``). Its codes would be read as others, or as none
+    the model was trained on, and every answer would be about another video."""
+    codes, per_frame = encoder.codebook_size, encoder.tokens_per_frame
+    if model_cfg.vision_codes and codes > model_cfg.vision_codes:
+        raise ValueError(
+            f"the VQGAN {path} has {codes} codes, more than the model's vision_codes "
+            f"({model_cfg.vision_codes})"
+        )
+    grid = model_cfg.vision_grid
+    if grid is not None and per_frame != grid[0] * grid[1]:
+        raise ValueError(
+            f"the VQGAN {path} gives {per_frame} codes per frame; the model's vision_grid "
+            f"{grid[0]}x{grid[1]} is {grid[0] * grid[1]}"
+        )
+    trained = inputs.get("vqgan_shape") or {}
+    given = {
+        "resolution": encoder.resolution,
+        "tokens_per_frame": per_frame,
+        "codebook_size": codes,
+    }
+    differ = [f"{k} {given[k]} here, {v} there" for k, v in trained.items() if given[k] != v]
+    if differ:
+        raise ValueError(
+            f"the VQGAN {path} is not the one the model's training dataset "
+            f"{inputs['dataset']} was tokenized with ({'; '.join(differ)}); give that one "
+            "(--vqgan), or none to use it"
+        )
 
 
 def model_config(model: str, *, config: str | None = None):
@@ -280,11 +318,13 @@ def video_qa_for(
     tokenizer: str | None = None,
     max_frames: int | None = None,
     fps: float | None = None,
+    model_cfg: Any = None,
     **options: Any,
 ) -> VideoQA:
     """A `VideoQA` whose VQGAN, text tokenizer and frame sampling default to those of the
     training dataset described by ``inputs``; ``options`` go to `VideoQA`. ``vqgan=False``:
-    text prompts only, no VQGAN loaded."""
+    text prompts only, no VQGAN loaded. The VQGAN must fit the model (``model_cfg``, by
+    default ``model.cfg``) and its dataset: `check_vqgan_fits`."""
     from vqgan import load_tokenizer
 
     codec = inputs.text_codec(tokenizer)
@@ -295,4 +335,7 @@ def video_qa_for(
         max_frames, fps = inputs.get("max_frames"), inputs.get("fps")
     # The VQGAN shards its frames over the language model's mesh: one mesh per process.
     encoder = load_tokenizer(vqgan, mesh=getattr(model, "mesh", None))
+    model_cfg = model_cfg if model_cfg is not None else getattr(model, "cfg", None)
+    if model_cfg is not None:
+        check_vqgan_fits(encoder, vqgan, model_cfg, inputs)
     return VideoQA(model, codec, encoder, max_frames=max_frames, fps=fps, **options)

@@ -8,6 +8,7 @@ import io
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from lwm.cli import main as lwm
@@ -141,3 +142,19 @@ def test_a_step_of_a_run_given_as_orbax_weights_names_the_run(run):
             f"'{given}' is a checkpoint of the lwm train run '{run}', not parameters saved "
             f"alone: give the run, run:{run} (its newest checkpoint that restores)"
         )
+
+
+def test_a_vqgan_with_more_codes_than_the_model_reads_is_refused(run, tmp_path, capsys):
+    from tokenize_helpers import save_tiny_vqgan
+
+    from lwm.base.media import write_mp4
+
+    video = tmp_path / "v.mp4"
+    write_mp4(video, np.zeros((2, 16, 16, 3), np.uint8), fps=2)
+    vqgan = save_tiny_vqgan(tmp_path / "vq128", num_embeddings=128)  # the model reads 64
+    ask = ["ask", "--model", f"run:{run}", "--video", str(video), "--question", "Which?"]
+    assert lwm([*ask, "--vqgan", str(vqgan)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == (
+        f"lwm ask: error: the VQGAN {vqgan} has 128 codes, more than the model's vision_codes (64)"
+    )

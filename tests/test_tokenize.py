@@ -391,6 +391,19 @@ def test_train_runs_on_a_tokenized_dataset_and_evaluates_held_out_qa(
     )
     after = {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != ".lock"}
     assert after == before
+    # A VQGAN other than the dataset's is refused: its codes mean other things to the model
+    # (lwm ask answered, exit 0, from codes it was never trained on).
+    other = save_tiny_vqgan(tmp_path / "other_vqgan", resolution=32)
+    video = synthetic.parent / "videos" / "00000.mp4"
+    ask = ["ask", "--model", f"run:{run}", "--video", str(video), "--question", "How many?"]
+    assert lwm([*ask, "--vqgan", str(other)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == (
+        f"lwm ask: error: the VQGAN {other} is not the one the model's training dataset {data} "
+        "was tokenized with (resolution 32 here, 16 there; tokens_per_frame 256 here, 64 there);"
+        " give that one (--vqgan), or none to use it"
+    )
+    assert lwm([*ask, "--vqgan", str(vqgan_dir)]) == 0
 
 
 def _qa_lines(manifest: Path) -> list[dict]:
