@@ -10,7 +10,6 @@ stage (``train.init_from=run:DIR``), for inference, or for `lwm.weights.load_mod
 from __future__ import annotations
 
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,16 +17,20 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
+from lwm.base.checkpoints import CheckpointMismatchError, restore_first
 from lwm.config import Config, load_config
 from lwm.model import LWMModel, abstract_params
 
 Log = Callable[[str], None]
 
-
-class CheckpointMismatchError(ValueError):
-    """A checkpoint holds parameters of other shapes, or a state of another tree structure,
-    than the config asks for: not damage, so nothing is renamed and nothing is trained over
-    it."""
+__all__ = [
+    "CheckpointMismatchError",
+    "checkpoint_manager",
+    "load_run",
+    "restore_newest",
+    "run_config",
+    "save_checkpoint",
+]
 
 
 def _stderr(msg: str) -> None:
@@ -58,26 +61,6 @@ def save_checkpoint(manager, step: int, params, opt_state, meta: dict) -> None:
     )
 
 
-def _ignore_reads_after_a_failed_restore() -> None:
-    """When a restore fails, orbax closes its event loop while tensorstore still reads the
-    checkpoint's other arrays; each read that ends then reports "RuntimeError: Event loop is
-    closed" as an unraisable exception (a traceback on stderr, many for a large model), some
-    before orbax's error reaches us. Those alone are dropped; every other unraisable
-    exception goes to the hook before."""
-    previous = sys.unraisablehook
-    if getattr(previous, "_lwm_quiet", False):
-        return
-
-    def hook(unraisable) -> None:
-        exc = unraisable.exc_value
-        if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
-            return
-        previous(unraisable)
-
-    hook._lwm_quiet = True  # type: ignore[attr-defined]
-    sys.unraisablehook = hook
-
-
 def restore_newest(
     manager,
     abstract_state: dict,
@@ -91,21 +74,8 @@ def restore_newest(
     ``STEP.damaged-TIME`` (kept for inspection, out of the way of the steps about to be
     redone); a reader leaves the run as it is. ``partial``: restore only the entries of
     ``abstract_state`` (e.g. the parameters without the optimizer state). Parameters of other
-    shapes than ``abstract_state``'s raise `CheckpointMismatchError`."""
-    damaged: list[int] = []
-    _ignore_reads_after_a_failed_restore()  # before: the reads may end before orbax raises
-    try:
-        return _first_restorable(manager, abstract_state, log, damaged, partial)
-    finally:
-        if damaged and set_aside:
-            if jax.process_index() == 0:
-                root = Path(manager.directory)
-                for step in damaged:
-                    (root / str(step)).rename(root / f"{step}.damaged-{int(time.time())}")
-            manager.reload()
-
-
-def _first_restorable(manager, abstract_state, log: Log, damaged: list[int], partial: bool):
+    shapes, or a state of another form, than ``abstract_state``'s raise
+    `CheckpointMismatchError` (`lwm.base.checkpoints.restore_first`)."""
     import orbax.checkpoint as ocp
 
     if partial:
@@ -117,31 +87,19 @@ def _first_restorable(manager, abstract_state, log: Log, damaged: list[int], par
         )
     else:
         state_args = ocp.args.StandardRestore(abstract_state)
-    for step in sorted(manager.all_steps(), reverse=True):
-        try:
-            restored = manager.restore(
-                step, args=ocp.args.Composite(state=state_args, meta=ocp.args.JsonRestore())
-            )
-        except Exception as e:  # orbax raises many types for a truncated or missing file
-            reason = " ".join(str(e).split())[:300]
-            if "not compatible with the stored shape" in reason:
-                raise CheckpointMismatchError(
-                    f"checkpoint {step} in '{manager.directory}' holds parameters of other "
-                    f"shapes than the config asks for ({reason})"
-                ) from None
-            if "tree structures do not match" in reason:
-                raise CheckpointMismatchError(
-                    f"checkpoint {step} in '{manager.directory}' holds a state of another form "
-                    f"than the config asks for (another optimizer?) ({reason})"
-                ) from None
-            log(
-                f"checkpoint {step} cannot be restored ({type(e).__name__}: {reason}); "
-                "trying the previous one"
-            )
-            damaged.append(step)
-            continue
-        return step, restored["state"], restored["meta"]
-    return None
+
+    def restore(step: int):
+        return manager.restore(
+            step, args=ocp.args.Composite(state=state_args, meta=ocp.args.JsonRestore())
+        )
+
+    found = restore_first(
+        manager, restore, log, set_aside=set_aside, is_primary=jax.process_index() == 0
+    )
+    if found is None:
+        return None
+    step, restored = found
+    return step, restored["state"], restored["meta"]
 
 
 def run_config(run_dir: str | Path) -> Config:

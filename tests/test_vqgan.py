@@ -267,6 +267,52 @@ def test_a_rerun_with_another_model_is_refused_and_changes_nothing(
         _check_same_model(run, load_vqgan_config(TINY, [*overrides, "model.param_dtype=bfloat16"]))
 
 
+def test_a_damaged_checkpoint_is_set_aside_and_a_run_past_its_steps_is_left_alone(
+    trained: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Rerun with train.steps below its checkpoint, a finished run is nothing to do (it wrote
+    eval.json labelled with the lower step over the later weights, and rewrote config.yaml);
+    with its newest checkpoint damaged, the one before is resumed, to the same weights as an
+    uninterrupted run (it was ~500 lines of tracebacks, exit 1, config.yaml rewritten)."""
+    import shutil
+
+    from safetensors.numpy import load_file
+
+    from data.vqgan_frames import load_frames
+
+    full, part = trained
+    run = tmp_path / "run"
+    shutil.copytree(part, run)
+    steps = sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
+    assert steps == [1, 3]
+    files = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    overrides = ["loss.disc_start=0", "train.progress=false", "train.eval_every=2"]
+    overrides += ["train.save_every=100", "mesh.shape=1,-1,1,1", f"train.output_dir={run}"]
+    cfg = load_vqgan_config(TINY, [*overrides, "train.steps=2"])
+    source, mesh, logged = load_frames(cfg), make_mesh(cfg.mesh.shape), []
+    metrics = train(cfg, mesh=mesh, source=source, log=logged.append)
+    written = json.loads((part / "eval.json").read_text())
+    assert written.pop("step") == 3 and metrics == written
+    assert logged == [
+        "resumed from checkpoint 3",
+        "nothing to do: checkpoint 3 already reaches train.steps=2",
+    ]
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == files
+    for p in (run / "checkpoints" / "3").rglob("d/*"):
+        with open(p, "r+b") as f:  # the arrays' data files, cut short
+            f.truncate(10)
+    (run / "model.safetensors").unlink()
+    logged.clear()
+    cfg = load_vqgan_config(TINY, [*overrides, "train.steps=3"])
+    train(cfg, mesh=mesh, source=source, log=logged.append)
+    assert logged[0].startswith("checkpoint 3 cannot be restored") and len(logged) == 2
+    assert logged[1] == "resumed from checkpoint 1"
+    names = [p.name for p in (run / "checkpoints").iterdir()]
+    assert any(n.startswith("3.damaged-") for n in names) and "3" in names
+    a, b = load_file(full / "model.safetensors"), load_file(run / "model.safetensors")
+    assert set(a) == set(b) and all(np.array_equal(a[k], b[k]) for k in a)
+
+
 def test_encode_writes_the_codes_to_the_name_given(
     trained: tuple[Path, Path], tmp_path, capfd
 ) -> None:

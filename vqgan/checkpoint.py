@@ -9,12 +9,15 @@ step ``s`` next.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+
+from lwm.base.checkpoints import restore_first
 
 __all__ = ["Checkpointer", "latest_checkpoint_step", "restore_model_params"]
 
@@ -65,6 +68,20 @@ class Checkpointer:
         )
         restored = self._manager.restore(step, args=args)
         return restored["model"], restored["train"]
+
+    def restore_newest(
+        self, model_like: Any, train_like: Any, log: Callable[[str], None]
+    ) -> tuple[int, Any, Any] | None:
+        """``(step, model, train)`` of the newest checkpoint that restores (`restore`), or
+        None; damaged ones are logged and set aside (`lwm.base.checkpoints.restore_first`)."""
+        found = restore_first(
+            self._manager,
+            lambda step: self.restore(step, model_like, train_like),
+            log,
+            set_aside=True,
+            is_primary=jax.process_index() == 0,
+        )
+        return None if found is None else (found[0], *found[1])
 
     def wait(self) -> None:
         self._manager.wait_until_finished()

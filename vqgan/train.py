@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -279,20 +280,23 @@ def train(
     mesh: Mesh,
     source: FrameSource,
     stop_at: int | None = None,
+    log: Callable[[str], None] | None = None,
 ) -> dict[str, float]:
     """Train (or resume) per ``cfg`` on ``mesh`` (built by the caller from ``cfg.mesh``) with
     the frames of ``source`` (`data.vqgan_frames.load_frames`); returns the final held-out
     metrics.
 
     ``stop_at``: stop after this many completed steps (checkpointing there), as an interrupted
-    run would; a later call resumes. The weights and eval.json are written only at the end."""
+    run would; a later call resumes. The weights and eval.json are written only at the end.
+    A damaged newest checkpoint is logged and set aside, and the one before it resumed; a
+    checkpoint at or past ``train.steps`` whose weights are written is nothing to do. ``log``:
+    where those lines go (stderr)."""
     from tqdm import tqdm
 
+    log = log or (lambda msg: print(f"lwm vqgan: {msg}", file=sys.stderr, flush=True))
     t = cfg.train
     out = Path(t.output_dir)
     _check_same_model(out, cfg)
-    out.mkdir(parents=True, exist_ok=True)
-    write_config(out, cfg)
     data = batch_devices(mesh)
     if t.batch_size % data:
         raise MeshError(
@@ -303,10 +307,20 @@ def train(
     grid_idx = np.linspace(0, len(eval_frames) - 1, t.grid_frames).astype(int)
 
     state = create_state(cfg, mesh)
+    out.mkdir(parents=True, exist_ok=True)
     ckpt = Checkpointer(out / "checkpoints", t.max_to_keep)
-    start = ckpt.latest_step() or 0
-    if start:
-        state.load_trees(*ckpt.restore(start, *state.checkpoint_trees()))
+    found = ckpt.restore_newest(*state.checkpoint_trees(), log=log)
+    start = 0 if found is None else found[0]
+    if found is not None:
+        state.load_trees(*found[1:])
+        log(f"resumed from checkpoint {start}")
+    finished = _finished(out, start)
+    if start >= t.steps and finished is not None:
+        log(f"nothing to do: checkpoint {start} already reaches train.steps={t.steps}")
+        ckpt.close()
+        return finished
+    if start < t.steps:  # the settings the steps to come run with
+        write_config(out, cfg)
     step_fn = make_train_step(cfg)
     batch_sharding = NamedSharding(mesh, BATCH)
     base_key = _key(cfg.seed)
@@ -362,5 +376,18 @@ def train(
     if not metrics:  # nothing left to run: evaluate what the checkpoint holds
         metrics, _ = evaluate(state.model, eval_frames, t.batch_size, mesh)
     save_weights(out, state.model, cfg)
-    (out / "eval.json").write_text(json.dumps({"step": t.steps, **metrics}, indent=1) + "\n")
+    at = max(start, t.steps)  # the step of the weights written
+    (out / "eval.json").write_text(json.dumps({"step": at, **metrics}, indent=1) + "\n")
     return metrics
+
+
+def _finished(out: Path, step: int) -> dict[str, float] | None:
+    """The held-out metrics of ``out``'s weights where a run wrote them at ``step``
+    (``eval.json`` and ``model.safetensors``), else None."""
+    try:
+        written = json.loads((out / "eval.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if written.pop("step", None) != step or not (out / "model.safetensors").is_file():
+        return None
+    return written
