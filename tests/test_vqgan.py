@@ -590,3 +590,13 @@ def test_cli_import_and_refusal(tmp_path: Path) -> None:
     tok = load_tokenizer(out)
     assert (tok.resolution, tok.tokens_per_frame, tok.codebook_size) == (16, 64, 32)
     assert isinstance(load_vqgan_config(out / "config.yaml"), VQGANConfig)
+    # again into the same folder: refused, the weights there kept (they were replaced)
+    weights = (out / "model.safetensors").read_bytes()
+    again = lwm(
+        "import", str(pkl), "--config", str(config), "--allow-legacy-pickle", "--out", str(out)
+    )
+    assert again.returncode == 2 and again.stderr == (
+        f"lwm vqgan: error: --out '{out}' already holds a VQGAN (model.safetensors); import "
+        "into a new folder\n"
+    )
+    assert (out / "model.safetensors").read_bytes() == weights

@@ -196,6 +196,12 @@ def _import(args: argparse.Namespace) -> int:
     from vqgan.weights import import_lwm_params, save_weights
 
     output_folder("--out", args.out)
+    held = [n for n in ("model.safetensors", "checkpoints") if (Path(args.out) / n).exists()]
+    if held:  # datasets that name the folder would be read with other weights
+        raise FileExistsError(
+            f"--out '{args.out}' already holds a VQGAN ({', '.join(held)}); import into a new "
+            "folder"
+        )
     cfg = load_vqgan_config(args.config) if args.config else VQGANConfig()  # default: LWM's
     tree = load_legacy_pickle(args.pickle, allow_pickle=args.allow_legacy_pickle)
     model = import_lwm_params(tree, cfg.model, source=args.pickle)
