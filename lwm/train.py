@@ -177,6 +177,8 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
             _log_changes(found, cfg, start, output, schedule, log)
     else:
         start = 0
+        if any(".damaged-" in p.name for p in (output / "checkpoints").iterdir()):
+            log("no checkpoint restores: training starts again from step 0")
         params = _initial_params(cfg, model_cfg, mesh, log, getattr(loader, "metadata", None))
         opt_state = jax.jit(tx.init, out_shardings=shardings["opt_state"])(params)
     if start >= tc.steps:

@@ -194,9 +194,9 @@ def test_hf_errors_name_the_tensor_and_file(hf_folder, hf_model, tmp_path):
 
     with pytest.raises(WeightsError, match="nowhere.*does not exist"):
         load_hf_llama(tmp_path / "nowhere", cfg)
-    with pytest.raises(WeightsError, match="rms_norm_eps: checkpoint 1e-06, model 1e-05"):
+    with pytest.raises(WeightsError, match="model.rms_norm_eps: 1e-06 there, 1e-05 here"):
         load_hf_llama(folder, cfg.model_copy(update=dict(rms_norm_eps=1e-5)))
-    with pytest.raises(WeightsError, match="rope_dims: checkpoint None, model 8"):
+    with pytest.raises(WeightsError, match="model.rope_dims: None there, 8 here"):
         load_hf_llama(folder, cfg.model_copy(update=dict(rope_dims=8)))
     with pytest.raises(WeightsError, match="model.rope_dims 8 .* cannot be saved"):
         save_hf_llama(create_model(cfg.model_copy(update=dict(rope_dims=8))), tmp_path / "p")

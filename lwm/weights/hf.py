@@ -214,14 +214,14 @@ def _check_config(hf_cfg: ModelConfig, cfg: ModelConfig, where: str) -> None:
         "tie_word_embeddings",
     )
     bad = [
-        f"{f}: checkpoint {getattr(hf_cfg, f)!r}, model {getattr(cfg, f)!r}"
+        f"model.{f}: {getattr(hf_cfg, f)!r} there, {getattr(cfg, f)!r} here"
         for f in fields
         if getattr(hf_cfg, f) != getattr(cfg, f)
     ]
     if bad:
         raise WeightsError(
-            f"{where} does not match the model config ({'; '.join(bad)}); "
-            "build the config with model_config_from_hf"
+            f"{where} does not match the model config ({'; '.join(bad)}); set those model "
+            "keys to the checkpoint's (in Python: model_config_from_hf)"
         )
 
 
