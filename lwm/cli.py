@@ -6,7 +6,7 @@ import argparse
 import importlib
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from lwm.base.lock import LockedError
 from lwm.config import ConfigError
@@ -90,23 +90,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse(parser, top.args) if parse else parser.parse_intermixed_args(top.args)
     from lwm.base.mesh import use_cpu_devices
 
-    try:
+    def run() -> int:
         if getattr(args, "cpu_devices", None):
             use_cpu_devices(args.cpu_devices)
-        status = int(module.run(args))
+        return int(module.run(args))
+
+    return run_reporting_errors(f"lwm {top.command}", run)
+
+
+def run_reporting_errors(
+    who: str, run: Callable[[], int | None], also: tuple[type[BaseException], ...] = ()
+) -> int:
+    """``run()``'s exit status (None: 0), with the errors of the user's input
+    (`user_errors`, ``also``, or a path of the wrong kind) as one line ``WHO: error: ...`` and
+    status 2, Ctrl-C as ``WHO: interrupted`` and 130, and a reader that left the pipe as
+    status 1: how every `lwm` verb, and the scripts under scripts/, end."""
+    try:
+        status = run()
         sys.stdout.flush()  # a reader that left early shows here, not at exit
-        return status
-    except user_errors() as e:
+        return int(status or 0)
+    except (*user_errors(), *also) as e:
         message = " ".join(str(e).split())
-        print(f"lwm {top.command}: error: {message}", file=sys.stderr)
+        print(f"{who}: error: {message}", file=sys.stderr)
         return 2
     except (IsADirectoryError, NotADirectoryError, FileExistsError, PermissionError) as e:
         # a path given where another kind of thing is, or one that may not be written
         message = f"'{e.filename}': {e.strerror}" if e.filename else " ".join(str(e).split())
-        print(f"lwm {top.command}: error: {message}", file=sys.stderr)
+        print(f"{who}: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C: what is finished stays (a rerun continues from it)
-        print(f"\nlwm {top.command}: interrupted", file=sys.stderr)
+        print(f"\n{who}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # the reader left (`lwm info ... | head`): stop without a trace
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

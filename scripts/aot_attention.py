@@ -74,4 +74,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from lwm.cli import run_reporting_errors
+
+    raise SystemExit(run_reporting_errors("aot_attention", main, also=(ValueError,)))

@@ -745,4 +745,6 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from lwm.cli import run_reporting_errors
+
+    raise SystemExit(run_reporting_errors("bench_attention", main, also=(ValueError,)))

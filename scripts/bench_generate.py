@@ -117,4 +117,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from lwm.cli import run_reporting_errors
+
+    raise SystemExit(run_reporting_errors("bench_generate", main, also=(ValueError,)))

@@ -102,16 +102,22 @@ def measure(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--seq-lens", default="1024,32768")
-    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq-lens", default="1024,32768", help="row lengths, comma-separated")
+    p.add_argument("--batch", type=int, default=8, help="rows per batch")
     p.add_argument("--batches", type=int, default=40, help="batches per measurement")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--prefetch", type=int, default=4)
+    p.add_argument("--threads", type=int, default=2, help="grain read threads (beside 0)")
+    p.add_argument("--prefetch", type=int, default=4, help="batches grain reads ahead")
     p.add_argument("--step-ms", type=float, default=100.0, help="simulated step time")
-    p.add_argument("--min-len", type=int, default=256)
-    p.add_argument("--max-len", type=int, default=4096)
+    p.add_argument("--min-len", type=int, default=256, help="shortest document, in tokens")
+    p.add_argument("--max-len", type=int, default=4096, help="longest document, in tokens")
     p.add_argument("--work", help="folder for the dataset (default: temporary)")
     args = p.parse_args(argv)
+    if min(args.batch, args.batches, args.prefetch, args.min_len) < 1 or args.threads < 0:
+        raise ValueError(
+            "--batch, --batches, --prefetch and --min-len must be at least 1, --threads 0"
+        )
+    if args.min_len > args.max_len:
+        raise ValueError(f"--min-len {args.min_len} is more than --max-len {args.max_len}")
 
     seq_lens = [int(s) for s in args.seq_lens.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
@@ -137,4 +143,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from lwm.cli import run_reporting_errors
+
+    raise SystemExit(run_reporting_errors("bench_loader", main, also=(ValueError,)))

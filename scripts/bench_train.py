@@ -37,6 +37,7 @@ import math
 import statistics
 import sys
 import time
+import typing
 
 import jax
 import numpy as np
@@ -44,7 +45,7 @@ from flax import nnx
 
 from data.batches import SyntheticTokenLoader
 from lwm.base.mesh import MeshError, make_mesh, use_platform
-from lwm.config import ConfigError, load_config
+from lwm.config import ConfigError, ModelConfig, load_config
 from lwm.info import flops_per_token, measure_peak_flops, param_counts
 from lwm.model import (
     ROW_ORDERS,
@@ -61,6 +62,9 @@ from lwm.train_step import (
     make_optimizer,
     row_orders,
 )
+
+ATTENTIONS = typing.get_args(ModelConfig.model_fields["attention"].annotation)
+KERNELS = typing.get_args(ModelConfig.model_fields["attention_kernel"].annotation)
 
 SIZES = {
     # name: (config, overrides)
@@ -247,16 +251,31 @@ def cpu_devices_for(mesh: str) -> int:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--sizes", default="small,tiny")
-    p.add_argument("--seqs", default="1024,4096")
-    p.add_argument("--attention", default="ring,dense")
-    p.add_argument("--mesh", default="1,1,8,1")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--sizes", default="small,tiny", help=f"model sizes, comma-separated: {', '.join(SIZES)}"
+    )
+    p.add_argument("--seqs", default="1024,4096", help="sequence lengths, comma-separated")
+    p.add_argument(
+        "--attention",
+        default="ring,dense",
+        help=f"model.attention values, comma-separated: {', '.join(ATTENTIONS)}",
+    )
+    p.add_argument(
+        "--mesh",
+        default="1,1,8,1",
+        help="dp,fsdp,sp,tp (on a GPU the default is 1,1,<devices>,1; on a CPU that many "
+        "simulated devices)",
+    )
+    p.add_argument("--batch", type=int, default=1, help="rows per step")
+    p.add_argument("--repeats", type=int, default=3, help="timed steps (the best is reported)")
     p.add_argument("--dataset", help="read every step's batch from this token dataset")
     p.add_argument("--read-threads", type=int, default=2, help="grain threads (0: no grain)")
     p.add_argument("--platform", choices=("cpu", "gpu"), default="cpu")
-    p.add_argument("--kernels", default="xla", help="attention block kernels, e.g. xla,cudnn")
+    p.add_argument(
+        "--kernels",
+        default="xla",
+        help=f"attention block kernels, comma-separated: {', '.join(KERNELS)}",
+    )
     p.add_argument("--remat", default="nothing_saveable", help="model.remat_policy")
     p.add_argument("--cudnn-piece", type=int, help="lwm.attention.cudnn.pairs.PIECE (default 4096)")
     p.add_argument(
@@ -287,8 +306,19 @@ def main() -> int:
         f"{', '.join(ROW_ORDERS)}",
     )
     args = p.parse_args()
-    if bad := [r for r in args.rows.split(",") if r not in ("auto", "device", *ROW_ORDERS)]:
-        print(f"bench_train: error: unknown --rows {bad[0]!r}", file=sys.stderr)
+    for flag, given, known in (
+        ("--rows", args.rows, ("auto", "device", *ROW_ORDERS)),
+        ("--attention", args.attention, ATTENTIONS),
+        ("--kernels", args.kernels, KERNELS),
+    ):
+        if bad := [x for x in given.split(",") if x not in known]:
+            print(
+                f"bench_train: error: unknown {flag} {bad[0]!r} (known: {', '.join(known)})",
+                file=sys.stderr,
+            )
+            return 2
+    if min(args.batch, args.repeats) < 1:
+        print("bench_train: error: --batch and --repeats must be at least 1", file=sys.stderr)
         return 2
     try:
         # before anything asks JAX for its devices; on a CPU, as many as the mesh has
@@ -393,4 +423,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from lwm.cli import run_reporting_errors
+
+    raise SystemExit(run_reporting_errors("bench_train", main, also=(ValueError,)))

@@ -51,16 +51,31 @@ def _best(fn: Callable[[], object], repeats: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", default="configs/vqgan/lwm.yaml")
-    parser.add_argument("--batches", default="1,2,4", help="frames per call")
-    parser.add_argument("--dtypes", default="float32,bfloat16")
-    parser.add_argument("--ops", default="encode,decode")
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--mesh", default="1,-1,1,1")
     parser.add_argument(
-        "--compare-lwm", action="store_true", help="ours vs LWM's architecture, side by side"
+        "--config", default="configs/vqgan/lwm.yaml", help="the VQGAN's config (its model)"
+    )
+    parser.add_argument("--batches", default="1,2,4", help="frames per call, comma-separated")
+    parser.add_argument(
+        "--dtypes", default="float32,bfloat16", help="compute dtypes: float32, bfloat16"
+    )
+    parser.add_argument("--ops", default="encode,decode", help="encode, decode or both")
+    parser.add_argument("--repeats", type=int, default=2, help="timed calls (best, or median)")
+    parser.add_argument("--mesh", default="1,-1,1,1", help="dp,fsdp,sp,tp for the tokenizer")
+    parser.add_argument(
+        "--compare-lwm",
+        action="store_true",
+        help="ours vs LWM's architecture, side by side (a config with LWM's 32 GroupNorm "
+        "groups, e.g. the default)",
     )
     args = parser.parse_args()
+    for flag, given, known in (
+        ("--ops", args.ops, ("encode", "decode")),
+        ("--dtypes", args.dtypes, ("float32", "bfloat16")),
+    ):
+        if bad := [x for x in given.split(",") if x not in known]:
+            raise ValueError(f"unknown {flag} {bad[0]!r} (known: {', '.join(known)})")
+    if min(int(b) for b in args.batches.split(",")) < 1 or args.repeats < 1:
+        raise ValueError("--batches and --repeats must be at least 1")
     if args.compare_lwm:
         compare_lwm(args)
         return
@@ -118,8 +133,10 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
 
 
-def _compare_one(base, dtype: str, frames, repeats: int) -> dict[tuple[str, str], list[float]]:
-    """Wall times of each (op, impl) for one compute dtype, round-robin."""
+def _compare_one(
+    base, dtype: str, frames, repeats: int, ops: list[str]
+) -> dict[tuple[str, str], list[float]]:
+    """Wall times of each (op, impl) of ``ops`` for one compute dtype, round-robin."""
     import jax.numpy as jnp
     from flax import nnx
     from lwm_vqgan_reference import LWMVQGAN
@@ -144,6 +161,7 @@ def _compare_one(base, dtype: str, frames, repeats: int) -> dict[tuple[str, str]
         ("decode", "ours"): lambda: ours_dec(state, codes),
         ("decode", "lwm"): lambda: ref_dec(params, codes),
     }
+    calls = {key: fn for key, fn in calls.items() if key[0] in ops}
     for fn in calls.values():
         jax.block_until_ready(fn())  # compile and run once, untimed
     times: dict[tuple[str, str], list[float]] = {key: [] for key in calls}
@@ -159,31 +177,31 @@ def compare_lwm(args: argparse.Namespace) -> None:
     import statistics
 
     import jax.numpy as jnp
+    from lwm_vqgan_reference import check_config
 
     base = load_vqgan_config(args.config).model
-    batch = int(args.batches.split(",")[0])
+    check_config(base)  # a config LWM's architecture cannot take: one line, before any output
     res = base.resolution
-    frames = np.random.default_rng(0).uniform(-1, 1, (batch, res, res, 3))
-    frames = jnp.asarray(frames, jnp.float32)
-    print(json.dumps({"config": args.config, "batch": batch, "compare": "lwm"}), flush=True)
-    for dtype in args.dtypes.split(","):
-        times = _compare_one(base, dtype, frames, args.repeats)
-        for op in ("encode", "decode"):
-            fps = {}
-            for impl in ("ours", "lwm"):
-                t = statistics.median(times[(op, impl)])
-                fps[impl] = batch / t
-                row = {
-                    "op": op,
-                    "dtype": dtype,
-                    "impl": impl,
-                    "batch": batch,
-                    "time_s": round(t, 4),
-                }
-                print(json.dumps({**row, "frames_per_s": round(fps[impl], 3)}), flush=True)
-            ratio = round(fps["ours"] / fps["lwm"], 3)
-            print(json.dumps({"op": op, "dtype": dtype, "ours_vs_lwm": ratio}), flush=True)
+    ops = args.ops.split(",")
+    for batch in (int(b) for b in args.batches.split(",")):
+        frames = np.random.default_rng(0).uniform(-1, 1, (batch, res, res, 3))
+        frames = jnp.asarray(frames, jnp.float32)
+        print(json.dumps({"config": args.config, "batch": batch, "compare": "lwm"}), flush=True)
+        for dtype in args.dtypes.split(","):
+            times = _compare_one(base, dtype, frames, args.repeats, ops)
+            for op in ops:
+                fps = {}
+                for impl in ("ours", "lwm"):
+                    t = statistics.median(times[(op, impl)])
+                    fps[impl] = batch / t
+                    row = {"op": op, "dtype": dtype, "impl": impl, "batch": batch}
+                    row |= {"time_s": round(t, 4), "frames_per_s": round(fps[impl], 3)}
+                    print(json.dumps(row), flush=True)
+                ratio = round(fps["ours"] / fps["lwm"], 3)
+                print(json.dumps({"op": op, "dtype": dtype, "ours_vs_lwm": ratio}), flush=True)
 
 
 if __name__ == "__main__":
-    main()
+    from lwm.cli import run_reporting_errors
+
+    raise SystemExit(run_reporting_errors("bench_vqgan", main, also=(ValueError,)))

@@ -90,9 +90,14 @@ def main() -> int:
     from lwm.text_to_video import load_video_generator
 
     prompts = prompts_of(read_specs(args.videos))[: args.count]
-    if not prompts:
-        print(f"eval_generate: error: no one-shape video in {args.videos}", file=sys.stderr)
-        return 2
+    train = prompts_of(read_specs(args.train_videos)) if args.train_videos else None
+    for flag, given, found in (
+        ("--videos", args.videos, prompts),
+        ("--train-videos", args.train_videos, train),
+    ):
+        if found is not None and not found:  # before the model loads
+            print(f"eval_generate: error: {flag}: no one-shape video in {given}", file=sys.stderr)
+            return 2
     gen = load_video_generator(
         args.model,
         config=args.config,
@@ -123,8 +128,7 @@ def main() -> int:
         records.append(
             {"condition": "reconstructed", **q, **score_clip(clip, q["colour"], q["direction"])}
         )
-    if args.train_videos:
-        train = prompts_of(read_specs(args.train_videos))
+    if train:
         colour = Counter(t["colour"] for t in train).most_common(1)[0][0]
         direction = Counter(t["direction"] for t in train).most_common(1)[0][0]
         for q in prompts:
@@ -171,4 +175,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from lwm.cli import run_reporting_errors
+
+    raise SystemExit(run_reporting_errors("eval_generate", main, also=(ValueError,)))

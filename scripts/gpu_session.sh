@@ -37,7 +37,15 @@
 #
 # Every step writes its log under $OUT (what comes back); the last lines of each are printed.
 set -uo pipefail
-part=${1:?usage: gpu_session.sh wheels|check|check_demo|first|second|attention|train|train_more|longest|packed|profile|demo}
+PARTS="wheels check check_demo first second attention train train_more longest packed profile demo"
+part=${1:?usage: gpu_session.sh ${PARTS// /|}}
+case " $PARTS " in
+*" $part "*) ;;
+*)  # before any install or device time
+    echo "gpu_session.sh: unknown part '$part' (one of: $PARTS)" >&2
+    exit 2
+    ;;
+esac
 out=${OUT:-/tmp/gpu_session}
 mkdir -p "$out"
 
@@ -60,10 +68,13 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $out/NAM
     shift 2
     local t0=$SECONDS
     timeout "$limit" "$@" >"$out/$name.log" 2>&1
-    local rc=$? errors note=""
+    local rc=$? errors ooms note=""
     # the scripts report a measurement that failed as a JSON line and go on: count them
-    errors=$(grep -c '"status": "error"' "$out/$name.log")
+    # ("error", "failed: ...", a parity "mismatch"; "oom" apart)
+    errors=$(grep -cE '"status": "(error|failed|mismatch)' "$out/$name.log")
+    ooms=$(grep -c '"status": "oom"' "$out/$name.log")
     [ "$errors" -gt 0 ] && note=" ($errors measurements failed)"
+    [ "$ooms" -gt 0 ] && note="$note ($ooms out of memory)"
     echo "== $name: rc=$rc in $((SECONDS - t0)) s$note"
     tail -n 4 "$out/$name.log" | cut -c1-400
 }
@@ -233,9 +244,5 @@ for line in sys.stdin:
     ;;
 demo)
     step demo 520 python3 scripts/demo.py --platform gpu
-    ;;
-*)
-    echo "unknown part $part" >&2
-    exit 2
     ;;
 esac

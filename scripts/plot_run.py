@@ -31,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     train = [r for r in rows if r.get("split", "train") == "train"]
-    evals = [r for r in rows if r.get("split") == "eval"]
+    # held-out QA (an lwm vqgan train run has eval rows of its own: left out)
+    evals = [r for r in rows if r.get("split") == "eval" and "model_accuracy" in r]
 
     import matplotlib
 
@@ -83,4 +84,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from lwm.cli import run_reporting_errors
+
+    raise SystemExit(run_reporting_errors("plot_run", main, also=(ValueError,)))

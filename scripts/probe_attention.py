@@ -166,4 +166,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from lwm.cli import run_reporting_errors
+
+    raise SystemExit(run_reporting_errors("probe_attention", main, also=(ValueError,)))

@@ -48,8 +48,19 @@ def main() -> int:
     )
     args = p.parse_intermixed_args()
     use_cpu_devices(1)
+    import re
+
     from lwm.config import ConfigError
 
+    attention = r"(plain|scan)(-nosplit)?(-xla)?(-doc|-in-order)?"  # the docstring's grammar
+    for case in args.cases.split(","):
+        if not (case in STEP_ROWS or re.fullmatch(attention, case)):
+            print(
+                f"probe_cudnn_memory: error: unknown case '{case}' (attention: plain or scan, "
+                f"then -nosplit, -xla, -doc or -in-order; train step: {', '.join(STEP_ROWS)})",
+                file=sys.stderr,
+            )
+            return 2
     for case in args.cases.split(","):
         try:
             print(json.dumps(probe(case, args)), flush=True)
@@ -191,4 +202,6 @@ def step_compiled(case: str, args: argparse.Namespace):
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from lwm.cli import run_reporting_errors
+
+    raise SystemExit(run_reporting_errors("probe_cudnn_memory", main, also=(ValueError,)))

@@ -247,4 +247,6 @@ def timing(args) -> list[dict]:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from lwm.cli import run_reporting_errors
+
+    raise SystemExit(run_reporting_errors("probe_cudnn_packed", main, also=(ValueError,)))

@@ -83,4 +83,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from lwm.cli import run_reporting_errors
+
+    raise SystemExit(run_reporting_errors("probe_elimination", main, also=(ValueError,)))

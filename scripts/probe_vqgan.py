@@ -197,4 +197,6 @@ def _mlp_probe(windows, labels, train, vocab, bag, steps, width=32, hidden=256, 
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from lwm.cli import run_reporting_errors
+
+    raise SystemExit(run_reporting_errors("probe_vqgan", main, also=(ValueError,)))

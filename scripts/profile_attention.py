@@ -286,4 +286,6 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from lwm.cli import run_reporting_errors
+
+    raise SystemExit(run_reporting_errors("profile_attention", main, also=(ValueError,)))
