@@ -240,3 +240,33 @@ def test_many_processes_without_a_coordinator_are_refused() -> None:
     with pytest.raises(ConfigError, match="a job of 2 processes needs the coordinator's address"):
         init_distributed(DistributedConfig(num_processes=2))
     init_distributed(DistributedConfig(num_processes=1))  # one process: nothing to join
+
+
+@pytest.mark.parametrize(
+    "script, args, message",
+    [
+        ("bench_generate", ["--config", "/nowhere.yaml"], "config file '/nowhere.yaml' not found"),
+        ("bench_train", ["--attention", "bogus"], "unknown --attention 'bogus' (known: dense,"),
+        ("probe_cudnn_memory", ["--cases", "sacn"], "unknown case 'sacn' (attention: plain or"),
+        ("bench_loader", ["--batches", "0"], "--batches, --prefetch and --min-len must be at"),
+        ("bench_vqgan", ["--ops", "encdoe"], "unknown --ops 'encdoe' (known: encode, decode)"),
+    ],
+)
+def test_a_script_given_bad_input_says_so_in_one_line(script, args, message) -> None:
+    """The scripts end as the lwm verbs do (`lwm.cli.run_reporting_errors`): bad input is one
+    line naming it, exit 2, nothing on stdout (several were tracebacks, or ran anyway: an
+    unknown --attention timed blockwise under its name, an unknown case ran as plain)."""
+    result = subprocess.run(
+        [sys.executable, f"scripts/{script}.py", *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2 and result.stdout == "", result.stderr
+    assert result.stderr.startswith(f"{script}: error: ") and message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_every_script_ends_through_the_verbs_error_reporting() -> None:
+    for script in sorted((ROOT / "scripts").glob("*.py")):
+        text = script.read_text()
+        if '__name__ == "__main__"' in text:
+            assert f'run_reporting_errors("{script.stem}", main' in text, script.name
