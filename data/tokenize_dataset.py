@@ -367,6 +367,8 @@ def _job(opts: TokenizeOptions, items: list[Item], codec: TextCodec, encoder: En
         "items": len(items),
         "items_sha256": hashlib.sha256(listing).hexdigest(),
         "vqgan": os.path.abspath(opts.vqgan),
+        # its weights: a VQGAN folder trained on between runs is another VQGAN
+        "vqgan_weights": getattr(encoder, "fingerprint", None),
         "resolution": encoder.resolution,
         "tokens_per_frame": encoder.tokens_per_frame,
         "codebook_size": encoder.codebook_size,

@@ -180,6 +180,7 @@ class TrainingInputs(dict):
                 k: vq[k] for k in ("resolution", "tokens_per_frame", "codebook_size") if k in vq
             }
             or None,
+            "vqgan_weights": vq.get("weights"),
             "tokenizer": (meta.get("text_tokenizer") or {}).get("name"),
             "max_frames": sampling.get("max_frames"),
             "fps": sampling.get("fps"),
@@ -240,6 +241,13 @@ def check_vqgan_fits(encoder: Any, path: str, model_cfg: Any, inputs: TrainingIn
             f"the VQGAN {path} is not the one the model's training dataset "
             f"{inputs['dataset']} was tokenized with ({'; '.join(differ)}); give that one "
             "(--vqgan), or none to use it"
+        )
+    weights = inputs.get("vqgan_weights")
+    if weights and getattr(encoder, "fingerprint", weights) != weights:
+        raise ValueError(
+            f"the VQGAN {path} has other weights than the model's training dataset "
+            f"{inputs['dataset']} was tokenized with (trained on since?); its codes would mean "
+            "other things to the model: give the VQGAN the dataset was made with (--vqgan)"
         )
 
 

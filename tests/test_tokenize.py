@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -404,6 +405,22 @@ def test_train_runs_on_a_tokenized_dataset_and_evaluates_held_out_qa(
         " give that one (--vqgan), or none to use it"
     )
     assert lwm([*ask, "--vqgan", str(vqgan_dir)]) == 0
+    # ... and so is one of the same shapes whose weights moved on (trained further, say)
+    from safetensors.numpy import load_file, save_file
+
+    moved = tmp_path / "moved_vqgan"
+    shutil.copytree(vqgan_dir, moved)
+    weights = load_file(moved / "model.safetensors")
+    name = sorted(weights)[0]
+    weights[name] = weights[name] + 1e-3
+    save_file(weights, moved / "model.safetensors")
+    assert lwm([*ask, "--vqgan", str(moved)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == (
+        f"lwm ask: error: the VQGAN {moved} has other weights than the model's training dataset "
+        f"{data} was tokenized with (trained on since?); its codes would mean other things to "
+        "the model: give the VQGAN the dataset was made with (--vqgan)"
+    )
 
 
 def _qa_lines(manifest: Path) -> list[dict]:

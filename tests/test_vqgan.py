@@ -313,6 +313,33 @@ def test_a_damaged_checkpoint_is_set_aside_and_a_run_past_its_steps_is_left_alon
     assert set(a) == set(b) and all(np.array_equal(a[k], b[k]) for k in a)
 
 
+def test_the_fingerprint_names_the_weights_whatever_holds_them(
+    trained: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """`VideoTokenizer.fingerprint`, which a dataset records: the same for the same weights
+    from the weights file or the checkpoint, and in another compute dtype (the resumed run's
+    equal the uninterrupted one's); another for weights that moved."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    full, part = trained
+    first = load_tokenizer(full).fingerprint
+    assert len(first) == 16 and load_tokenizer(part).fingerprint == first
+    assert load_tokenizer(full, dtype="bfloat16").fingerprint == first
+    checkpoint_only = tmp_path / "checkpoint_only"
+    shutil.copytree(full, checkpoint_only)
+    (checkpoint_only / "model.safetensors").unlink()
+    assert load_tokenizer(checkpoint_only).fingerprint == first
+    weights = load_file(full / "model.safetensors")
+    name = sorted(weights)[-1]
+    weights[name] = weights[name] * 1.001
+    moved = tmp_path / "moved"
+    shutil.copytree(full, moved)
+    save_file(weights, moved / "model.safetensors")
+    assert load_tokenizer(moved).fingerprint != first
+
+
 def test_encode_writes_the_codes_to_the_name_given(
     trained: tuple[Path, Path], tmp_path, capfd
 ) -> None:

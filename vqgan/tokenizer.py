@@ -14,6 +14,8 @@ padding and transfers overlap the device work.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import math
 from collections.abc import Callable
 
@@ -76,6 +78,19 @@ class VideoTokenizer:
     @property
     def tokens_per_frame(self) -> int:
         return self.config.tokens_per_frame
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """Which weights these are, whatever file they came from: a sha256 (16 hex digits) of
+        every parameter's name, dtype, shape and bytes. A dataset records it (`lwm tokenize`),
+        so a VQGAN folder that trained on since is not taken for the one its codes came from."""
+        digest = hashlib.sha256()
+        leaves = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(self._params))[0]
+        for name, leaf in sorted((jax.tree_util.keystr(k), v) for k, v in leaves):
+            value = np.asarray(jax.device_get(leaf))
+            digest.update(f"{name} {value.dtype} {value.shape};".encode())
+            digest.update(np.ascontiguousarray(value).tobytes())
+        return digest.hexdigest()[:16]
 
     @property
     def codebook_size(self) -> int:
