@@ -631,16 +631,31 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--seqs",
         type=csv_ints,
         default=[4096, 8192, 16384, 32768],
-        help="comma-separated sequence lengths (default 4096,8192,16384,32768)",
+        help="comma-separated sequence lengths, each a multiple of 2 x devices (16 on cpu; "
+        "default 4096,8192,16384,32768)",
     )
-    p.add_argument("--modes", type=csv_choices(MODES), default=list(MODES))
+    p.add_argument(
+        "--modes",
+        type=csv_choices(MODES),
+        default=list(MODES),
+        help=f"comma-separated, of {','.join(MODES)} (default both)",
+    )
     p.add_argument(
         "--impls",
         type=csv_choices(IMPLS),
-        help=f"default {','.join(CPU_IMPLS)} on cpu, {','.join(GPU_IMPLS)} on gpu",
+        help=f"comma-separated, of {','.join(IMPLS)} (default {','.join(CPU_IMPLS)} on cpu, "
+        f"{','.join(GPU_IMPLS)} on gpu)",
     )
-    p.add_argument("--block", type=int, default=512, help="block_q = block_k (default 512)")
-    p.add_argument("--repeats", type=int, default=3, help="timed calls per case (median)")
+    p.add_argument(
+        "--block",
+        type=int,
+        default=512,
+        help="block_q = block_k, at least 1 (default 512); the ringattention impl needs it to "
+        "divide seq / devices",
+    )
+    p.add_argument(
+        "--repeats", type=int, default=3, help="timed calls per case, at least 1 (median)"
+    )
     p.add_argument(
         "--dense-max-seq",
         type=int,
@@ -652,7 +667,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="first check ours and ringattention against dense at --check-seq",
     )
-    p.add_argument("--check-seq", type=int, default=2048)
+    p.add_argument(
+        "--check-seq",
+        type=int,
+        default=2048,
+        help="sequence length of --check, a multiple of devices x --check-block (default 2048)",
+    )
     p.add_argument(
         "--check-block",
         type=int,
@@ -678,7 +698,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--efficiency", action="store_true", help="also run the efficiency part after the sweep"
     )
-    p.add_argument("--efficiency-seq", type=int, default=4096)
+    p.add_argument(
+        "--efficiency-seq",
+        type=int,
+        default=4096,
+        help="sequence length of the efficiency part (default 4096)",
+    )
     p.add_argument(
         "--platform",
         choices=("cpu", "gpu"),
@@ -686,7 +711,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="cpu: 8 simulated devices (default); gpu: the NVIDIA GPUs JAX sees",
     )
     p.add_argument("--heads", type=int, help="query heads (default 8 on cpu, 32 on gpu)")
-    p.add_argument("--head-dim", type=int, help="default 64 on cpu, 128 on gpu")
+    p.add_argument("--head-dim", type=int, help="head dimension (default 64 on cpu, 128 on gpu)")
     p.add_argument(
         "--dtype", choices=("float32", "bfloat16"), help="default float32 on cpu, bfloat16 on gpu"
     )
@@ -704,6 +729,38 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def check_args(args: argparse.Namespace, devices: int) -> None:
+    """Refuse, before any output, the options no case can run with (ValueError: one line)."""
+    for flag, value in (
+        ("--heads", args.heads),
+        ("--head-dim", args.head_dim),
+        ("--block", args.block),
+        ("--repeats", args.repeats),
+    ):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be at least 1, not {value}")
+    if args.efficiency_only:
+        return
+    # the zigzag layout gives each device two equal chunks: a multiple of 2 x devices
+    seqs = [parse_long_case(c)[1] for c in args.long_cases] if args.long else args.seqs
+    flag = "--long-cases" if args.long else "--seqs"
+    for seq in seqs:
+        if seq < 1 or seq % (2 * devices):
+            raise ValueError(
+                f"{flag}: sequence length {seq} is not a positive multiple of 2 x {devices} "
+                f"devices = {2 * devices}"
+            )
+    if "ringattention" in args.impls and not args.long:
+        # LWM's ringattention reshapes each shard into --block chunks: no clamping or padding
+        for seq in args.seqs:
+            if (seq // devices) % args.block:
+                raise ValueError(
+                    f"--block {args.block} does not divide the {seq // devices} tokens per "
+                    f"device of seq {seq} (over {devices} devices), which the ringattention "
+                    "impl needs"
+                )
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     global PLATFORM, DEVICES, HEADS, HEAD_DIM, DTYPE, KERNEL
     args = parse_args(argv)
@@ -718,8 +775,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit("bench_attention: the cudnn impls need --platform gpu")
     gpu = args.platform == "gpu"
     DEVICES = jax.device_count() if gpu else DEVICES
-    HEADS = args.heads or (32 if gpu else HEADS)
-    HEAD_DIM = args.head_dim or (128 if gpu else HEAD_DIM)
+    check_args(args, DEVICES)
+    HEADS = args.heads if args.heads is not None else (32 if gpu else HEADS)
+    HEAD_DIM = args.head_dim if args.head_dim is not None else (128 if gpu else HEAD_DIM)
     DTYPE = jnp.dtype(args.dtype or ("bfloat16" if gpu else "float32")).type
     KERNEL = args.kernel
     if args.cudnn_piece:

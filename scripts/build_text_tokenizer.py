@@ -30,6 +30,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<vision>", "</vision>"]
+# the 256 bytes of the byte-level alphabet and the special tokens, before any merge
+MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
 
 
 def synthetic_texts(videos: int = 4000) -> Iterator[str]:
@@ -102,9 +104,25 @@ def build(out: Path, vocab_size: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=REPO / "data" / "tokenizer")
-    parser.add_argument("--vocab-size", type=int, default=4096)
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=REPO / "data" / "tokenizer",
+        help="folder to write the tokenizer to (default data/tokenizer/)",
+    )
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        default=4096,
+        help=f"entries in the vocabulary, at least {MIN_VOCAB_SIZE} (256 bytes + "
+        f"{len(SPECIAL_TOKENS)} special tokens; default 4096)",
+    )
     args = parser.parse_args(argv)
+    if args.vocab_size < MIN_VOCAB_SIZE:
+        raise ValueError(
+            f"--vocab-size {args.vocab_size} is below {MIN_VOCAB_SIZE}, the 256 bytes and "
+            f"{len(SPECIAL_TOKENS)} special tokens every vocabulary holds"
+        )
     build(args.out, args.vocab_size)
     return 0
 

@@ -43,7 +43,7 @@ import sys
 import time
 from pathlib import Path
 
-from steps import ROOT, demo_vqgan_command, run_step  # scripts/steps.py
+from steps import ROOT, check_mesh, demo_vqgan_command, run_step  # scripts/steps.py
 
 sys.path.insert(0, str(ROOT))
 from data.synthetic import DEMO_WORLD, world_flags  # noqa: E402
@@ -154,6 +154,8 @@ def main() -> int:
     py = sys.executable
     lwm = [py, "-m", "lwm"]
     env = dict(os.environ)
+    if not args.videos_only:  # before step 1, not in a later step after the videos
+        check_mesh("--mesh", args.mesh, args.platform, env)
     # On a CPU every JAX verb runs on as many simulated devices as the world model's mesh has;
     # on a GPU, on the devices JAX finds.
     cpu = ["--cpu-devices", str(math.prod(int(n) for n in args.mesh.split(",")))]

@@ -36,12 +36,13 @@ import sys
 import time
 from pathlib import Path
 
-from steps import ROOT, demo_vqgan_command, run_step  # scripts/steps.py
+from steps import ROOT, check_mesh, check_vqgan, demo_vqgan_command, run_step  # scripts/steps.py
 
 sys.path.insert(0, str(ROOT))
 from data.synthetic import DEMO_WORLD  # noqa: E402
 
 WORLD = DEMO_WORLD
+MIN_CLIP_FRAMES = 3  # data.synthetic.sample_video's shortest video
 
 
 def run(cmd: list[str]) -> None:
@@ -50,9 +51,11 @@ def run(cmd: list[str]) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="runs/long_context")
+    p.add_argument("--out", default="runs/long_context", help="folder of every step's output")
     p.add_argument("--vqgan", help="a trained VQGAN folder (default: train one, as the demo)")
-    p.add_argument("--vqgan-steps", type=int, default=500)
+    p.add_argument(
+        "--vqgan-steps", type=int, default=500, help="training steps of the VQGAN (without --vqgan)"
+    )
     p.add_argument(
         "--init",
         help="a run folder to start stage 1 from (e.g. runs/demo/lm, the demo's world model, "
@@ -60,10 +63,15 @@ def main() -> int:
     )
     p.add_argument("--short-frames", type=int, default=15, help="frames of stage 1's videos")
     p.add_argument("--long-frames", type=int, default=60, help="frames of stage 2's videos")
-    p.add_argument("--short-videos", type=int, default=1500)
-    p.add_argument("--long-videos", type=int, default=400)
-    p.add_argument("--clip-frames", type=int, default=4, help="frames per synthetic clip")
-    p.add_argument("--needle-frames", type=int, default=2)
+    p.add_argument("--short-videos", type=int, default=1500, help="needle videos for stage 1")
+    p.add_argument("--long-videos", type=int, default=400, help="needle videos for stage 2")
+    p.add_argument(
+        "--clip-frames",
+        type=int,
+        default=4,
+        help=f"frames per synthetic clip, at least {MIN_CLIP_FRAMES}",
+    )
+    p.add_argument("--needle-frames", type=int, default=2, help="frames the needle is shown for")
     p.add_argument(
         "--needle-radius",
         default="0.3,0.35",
@@ -76,11 +84,11 @@ def main() -> int:
         help="the needles' colours, which no shape of the haystack has ('' for any colour, "
         "which the haystack then avoids: finding the rare colour, not learned in stage 1)",
     )
-    p.add_argument("--stage1-seq", type=int, default=1024)
-    p.add_argument("--stage2-seq", type=int, default=4096)
-    p.add_argument("--stage1-steps", type=int, default=500)
-    p.add_argument("--stage2-steps", type=int, default=150)
-    p.add_argument("--stage2-batch", type=int, default=2)
+    p.add_argument("--stage1-seq", type=int, default=1024, help="tokens per row in stage 1")
+    p.add_argument("--stage2-seq", type=int, default=4096, help="tokens per row in stage 2")
+    p.add_argument("--stage1-steps", type=int, default=500, help="training steps of stage 1")
+    p.add_argument("--stage2-steps", type=int, default=150, help="training steps added by stage 2")
+    p.add_argument("--stage2-batch", type=int, default=2, help="rows per batch in stage 2")
     p.add_argument("--theta-factor", type=float, default=4.0, help="stage 2's rope_theta x")
     p.add_argument("--samples", type=int, default=4, help="needle videos per heatmap cell")
     p.add_argument("--mesh", default="2,1,2,1", help="dp,fsdp,sp,tp of stage 1")
@@ -93,6 +101,14 @@ def main() -> int:
     args = p.parse_args()
     if args.init and not args.vqgan:
         p.error("--init needs --vqgan: the VQGAN whose codes the run was trained on")
+    check_mesh("--mesh", args.mesh)
+    check_mesh("--stage2-mesh", args.stage2_mesh)
+    if args.vqgan:
+        check_vqgan(args.vqgan)
+    if args.clip_frames < MIN_CLIP_FRAMES:
+        raise ValueError(
+            f"--clip-frames {args.clip_frames} is below {MIN_CLIP_FRAMES}, the shortest clip"
+        )
 
     from lwm.config import load_config
     from lwm.needle import NeedleReport, side_by_side, write_needle_videos

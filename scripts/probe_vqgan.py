@@ -38,6 +38,20 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+MIN_FRAMES = 3  # data.synthetic.sample_video's shortest video
+
+
+def _range(flag: str, text: str) -> tuple[float, float]:
+    """``LO,HI`` as lwm synthetic takes it (0 < LO <= HI < 1), or a ValueError naming ``flag``."""
+    try:
+        lo, hi = (float(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"{flag}: expected LO,HI (two numbers), got {text!r}") from None
+    if not 0 < lo <= hi < 1:
+        raise ValueError(f"{flag}: expected 0 < LO <= HI < 1, got {text!r}")
+    return lo, hi
+
+
 def _softmax_regression(x, y, classes, steps=500, lr=2.0, l2=1e-4):
     w = np.zeros((x.shape[1], classes))
     b = np.zeros(classes)
@@ -55,17 +69,24 @@ def _softmax_regression(x, y, classes, steps=500, lr=2.0, l2=1e-4):
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--vqgan", required=True)
-    p.add_argument("--videos", type=int, default=200)
-    p.add_argument("--frames", type=int, default=8)
+    p.add_argument("--vqgan", required=True, help="a VQGAN folder (or its training output)")
+    p.add_argument("--videos", type=int, default=200, help="held-out videos to render")
+    p.add_argument("--frames", type=int, default=8, help=f"frames per video, at least {MIN_FRAMES}")
     p.add_argument("--seed", type=int, default=99, help="a seed the VQGAN never trained on")
     p.add_argument("--max-distance", type=float, default=80.0, help="colour tolerance, decoded")
-    p.add_argument("--max-objects", type=int, default=3)
-    p.add_argument("--radius", default=None, help="LO,HI as in lwm synthetic")
-    p.add_argument("--travel", default=None, help="LO,HI as in lwm synthetic")
+    p.add_argument("--max-objects", type=int, default=3, help="most shapes in a video")
+    p.add_argument("--radius", default=None, help="LO,HI as in lwm synthetic (0 < LO <= HI < 1)")
+    p.add_argument("--travel", default=None, help="LO,HI as in lwm synthetic (0 < LO <= HI < 1)")
     p.add_argument("--mlp", action="store_true", help="also the learned-embedding probe")
-    p.add_argument("--mlp-steps", type=int, default=2000)
+    p.add_argument("--mlp-steps", type=int, default=2000, help="training steps of --mlp")
     args = p.parse_args()
+    if args.frames < MIN_FRAMES:
+        raise ValueError(f"--frames {args.frames} is below {MIN_FRAMES}, the shortest video")
+    world = {"max_objects": args.max_objects}
+    if args.radius:
+        world["radius"] = _range("--radius", args.radius)
+    if args.travel:
+        world["travel"] = _range("--travel", args.travel)
 
     import vqgan
     from data.synthetic import PALETTE, SHAPES, render_video, sample_video
@@ -74,11 +95,6 @@ def main() -> int:
 
     tok = vqgan.load_tokenizer(args.vqgan, mesh=make_mesh("1,-1,1,1"))
     size = tok.resolution
-    world = {"max_objects": args.max_objects}
-    if args.radius:
-        world["radius"] = tuple(float(v) for v in args.radius.split(","))
-    if args.travel:
-        world["travel"] = tuple(float(v) for v in args.travel.split(","))
     specs = [
         sample_video(args.seed, i, size=size, num_frames=args.frames, **world)
         for i in range(args.videos)

@@ -4,6 +4,7 @@ and timed; a failed step stops the script with the step's exit status."""
 
 from __future__ import annotations
 
+import math
 import shlex
 import subprocess
 import sys
@@ -39,3 +40,47 @@ def demo_vqgan_command(
         + [f"train.output_dir={output}", f"train.steps={steps}"]
         + [f"data.manifest={manifest}"]
     )
+
+
+def check_vqgan(path: str) -> None:
+    """Refuse (ValueError), before any step, a ``--vqgan`` folder the steps could not load:
+    `vqgan.load_model` reads ``model.safetensors`` or a training output's ``checkpoints/``
+    (``path`` is taken from the repository root, where the steps run)."""
+    folder = ROOT / path
+    if not folder.exists():
+        raise ValueError(f"--vqgan '{path}' does not exist")
+    if not ((folder / "model.safetensors").is_file() or (folder / "checkpoints").is_dir()):
+        raise ValueError(
+            f"--vqgan '{path}' holds no VQGAN: expected model.safetensors and config.yaml, or "
+            "a training output folder with checkpoints/"
+        )
+
+
+def check_mesh(
+    flag: str, mesh: str, platform: str = "cpu", env: dict[str, str] | None = None
+) -> None:
+    """Refuse (MeshError, a ValueError), before any step, a mesh (option ``flag``) that the
+    devices of the steps cannot form: on a cpu there are as many simulated devices as the mesh
+    has (``--cpu-devices``), so it must give every axis's size; on a gpu, the devices JAX finds
+    (asked in a child process, which lets the GPU go before the steps start; where that fails,
+    the steps say why)."""
+    from lwm.base.mesh import MeshError, parse_mesh_shape
+
+    items = [s.strip() for s in mesh.split(",")]
+    if platform == "gpu":
+        ask = [sys.executable, "-c", "import jax; print(jax.device_count())"]
+        found = subprocess.run(ask, env=env, capture_output=True, text=True)
+        if found.returncode or not found.stdout.strip().isdigit():
+            return
+        devices = int(found.stdout)
+    elif "-1" in items:
+        raise MeshError(
+            f"{flag} '{mesh}': on cpu the simulated devices are as many as the mesh has: give "
+            "every axis's size, not -1"
+        )
+    else:
+        devices = math.prod(int(s) for s in items if s.isdigit()) or 1
+    try:
+        parse_mesh_shape(mesh, devices)
+    except MeshError as e:
+        raise MeshError(f"{flag}: {e}") from None

@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from steps import ROOT, demo_vqgan_command, run_step  # scripts/steps.py
+from steps import ROOT, check_mesh, check_vqgan, demo_vqgan_command, run_step  # scripts/steps.py
 
 sys.path.insert(0, str(ROOT))
 from data.synthetic import DEMO_WORLD, world_flags  # noqa: E402
@@ -68,6 +68,9 @@ def main() -> int:
         "e.g. model.vision_window=2",
     )
     args = p.parse_args()
+    check_mesh("--mesh", args.mesh)
+    if args.vqgan:
+        check_vqgan(args.vqgan)
 
     out = Path(args.out)
     lwm = [sys.executable, "-m", "lwm"]

@@ -250,6 +250,14 @@ def test_many_processes_without_a_coordinator_are_refused() -> None:
         ("probe_cudnn_memory", ["--cases", "sacn"], "unknown case 'sacn' (attention: plain or"),
         ("bench_loader", ["--batches", "0"], "--batches, --prefetch and --min-len must be at"),
         ("bench_vqgan", ["--ops", "encdoe"], "unknown --ops 'encdoe' (known: encode, decode)"),
+        ("bench_attention", ["--heads", "0"], "--heads must be at least 1, not 0"),
+        ("bench_attention", ["--seqs", "500"], "sequence length 500 is not a positive multiple"),
+        ("build_text_tokenizer", ["--vocab-size", "0"], "--vocab-size 0 is below 261"),
+        ("probe_vqgan", ["--vqgan", "x", "--radius", "0.1"], "--radius: expected LO,HI (two"),
+        ("probe_vqgan", ["--vqgan", "x", "--frames", "2"], "--frames 2 is below 3"),
+        ("demo", ["--mesh", "1,1,3"], "--mesh: mesh shape '1,1,3' must have 4 comma-separated"),
+        ("text_to_video", ["--vqgan", "/nowhere"], "--vqgan '/nowhere' does not exist"),
+        ("long_context", ["--clip-frames", "2"], "--clip-frames 2 is below 3"),
     ],
 )
 def test_a_script_given_bad_input_says_so_in_one_line(script, args, message) -> None:
