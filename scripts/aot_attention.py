@@ -23,10 +23,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--topology", required=True, help="TPU topology, e.g. v5p:2x2x1")
     p.add_argument("--mesh", required=True, help="dp,fsdp,sp,tp")
-    p.add_argument("--seq", type=int, default=32768)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--block", type=int, default=512)
-    p.add_argument("--kernel", default="pallas", choices=("xla", "pallas"))
+    p.add_argument("--seq", type=int, default=32768, help="tokens in the sequence")
+    p.add_argument("--heads", type=int, default=32, help="query and key/value heads, of 128")
+    p.add_argument("--block", type=int, default=512, help="block_q = block_k")
+    p.add_argument(
+        "--kernel", default="pallas", choices=("xla", "pallas"), help="block kernel: xla or pallas"
+    )
     args = p.parse_args()
 
     import jax

@@ -38,13 +38,19 @@ def make_vqgan(config: str, directory: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--videos", type=int, default=64)
+    parser.add_argument("--videos", type=int, default=64, help="synthetic videos to tokenize")
     parser.add_argument("--size", type=int, default=64, help="frame height and width")
     parser.add_argument("--frames", type=int, default=16, help="frames per video")
     parser.add_argument("--workers", default="0,1,2", help="comma-separated worker counts")
-    parser.add_argument("--batch-frames", type=int, default=64)
+    parser.add_argument(
+        "--batch-frames", type=int, default=64, help="frames per VQGAN encode batch"
+    )
     parser.add_argument("--vqgan", help="a saved VQGAN (default: random, of --vqgan-config)")
-    parser.add_argument("--vqgan-config", default=str(REPO / "configs/vqgan/tiny.yaml"))
+    parser.add_argument(
+        "--vqgan-config",
+        default=str(REPO / "configs/vqgan/tiny.yaml"),
+        help="config of the random VQGAN (default configs/vqgan/tiny.yaml)",
+    )
     parser.add_argument("--work", type=Path, help="folder for the videos and outputs")
     args = parser.parse_args(argv)
 

@@ -85,7 +85,7 @@ def tight_rows(tokens: Path, mesh: str, row: int = 1024) -> list[str]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="runs/demo")
+    p.add_argument("--out", default="runs/demo", help="folder of every step's output")
     p.add_argument("--videos", type=int, default=2000, help="training videos")
     p.add_argument(
         "--held-out",
@@ -94,7 +94,7 @@ def main() -> int:
         help="videos to ask questions about (default 100: about 930 questions)",
     )
     p.add_argument("--frames", type=int, default=4, help="frames per video")
-    p.add_argument("--vqgan-steps", type=int, default=500)
+    p.add_argument("--vqgan-steps", type=int, default=500, help="training steps of the VQGAN")
     p.add_argument(
         "--lm-steps", type=int, default=800, help="steps of the world model on all questions"
     )

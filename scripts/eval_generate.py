@@ -70,17 +70,28 @@ def score_clip(clip: np.ndarray, colour: str, direction: str) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="run:DIR (or a weights source with --config)")
-    p.add_argument("--config")
+    p.add_argument("--config", help="the model's config, when --model is a weights source")
     p.add_argument("--vqgan", help="default: the training dataset's")
     p.add_argument("--videos", required=True, help="held-out videos.jsonl of `lwm synthetic`")
     p.add_argument("--train-videos", help="training videos.jsonl, for the blind baseline")
     p.add_argument("--count", type=int, default=64, help="prompts at most (default 64)")
-    p.add_argument("--frames", type=int, default=4)
-    p.add_argument("--cfg-scale", type=float, default=1.0)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--frames", type=int, default=4, help="frames per generated clip (default 4)")
+    p.add_argument(
+        "--cfg-scale",
+        type=float,
+        default=1.0,
+        help="classifier-free guidance against the prompt without the caption (default 1: none)",
+    )
+    p.add_argument(
+        "--temperature", type=float, default=1.0, help="sampling temperature (0: greedy; default 1)"
+    )
+    p.add_argument(
+        "--top-k", type=int, default=0, help="sample from the K likeliest codes (default 0: all)"
+    )
+    p.add_argument(
+        "--batch-size", type=int, default=16, help="captions per generate call (default 16)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="draws the sampled codes (default 0)")
     p.add_argument("--mesh", help="dp,fsdp,sp,tp (default: one device)")
     p.add_argument("--out", help="JSON lines here instead of stdout")
     args = p.parse_args()

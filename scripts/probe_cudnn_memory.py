@@ -37,12 +37,21 @@ from lwm.base.mesh import use_cpu_devices
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--seq", type=int, default=8192)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--seq", type=int, default=8192, help="tokens in the row")
+    p.add_argument("--heads", type=int, default=32, help="heads of the attention cases")
+    p.add_argument(
+        "--head-dim", type=int, default=128, help="head dimension of the attention cases"
+    )
+    p.add_argument(
+        "--layers", type=int, default=4, help="attention layers, or the train step's model layers"
+    )
     p.add_argument("--piece", type=int, help="lwm.attention.cudnn.pairs.PIECE (default 4096)")
-    p.add_argument("--cases", default="plain,scan,scan-nosplit,scan-xla")
+    p.add_argument(
+        "--cases",
+        default="plain,scan,scan-nosplit,scan-xla",
+        help="comma-separated: attention plain or scan, then -nosplit, -xla, -doc or "
+        f"-in-order; train step {', '.join(STEP_ROWS)} (default plain,scan,scan-nosplit,scan-xla)",
+    )
     p.add_argument(
         "overrides", nargs="*", metavar="KEY=VALUE", help="config overrides for step cases"
     )

@@ -243,14 +243,31 @@ def profile_case(
 
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--platform", choices=("cpu", "gpu"), default="gpu")
+    p.add_argument(
+        "--platform",
+        choices=("cpu", "gpu"),
+        default="gpu",
+        help="gpu: the first GPU (default); cpu: one CPU device, emulated kernels, no cudnn",
+    )
     p.add_argument("--seqs", default="8192,32768", help="comma-separated (default 8192,32768)")
-    p.add_argument("--impls", default="cudnn,raw,ours-cudnn,ours-cudnn-doc,ours-noswitch")
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--trace-calls", type=int, default=3)
-    p.add_argument("--top", type=int, default=12)
+    p.add_argument(
+        "--impls",
+        default="cudnn,raw,ours-cudnn,ours-cudnn-doc,ours-noswitch",
+        help="comma-separated, of cudnn,raw,ours-cudnn,ours-cudnn-doc,ours-noswitch (default "
+        "all; cudnn is left out on cpu)",
+    )
+    p.add_argument("--heads", type=int, default=32, help="query and key/value heads")
+    p.add_argument("--head-dim", type=int, default=128, help="dimension of each head")
+    p.add_argument("--repeats", type=int, default=5, help="timed calls per case (median)")
+    p.add_argument(
+        "--trace-calls",
+        type=int,
+        default=3,
+        help="calls recorded with JAX's profiler; kernel times are per call (default 3)",
+    )
+    p.add_argument(
+        "--top", type=int, default=12, help="kernels listed, those that took the most time"
+    )
     p.add_argument(
         "--compiler-options",
         type=json.loads,

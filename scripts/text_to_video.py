@@ -41,7 +41,7 @@ def run(cmd: list[str]) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="runs/t2v")
+    p.add_argument("--out", default="runs/t2v", help="folder of every step's output")
     p.add_argument("--videos", type=int, default=2000, help="training videos")
     p.add_argument(
         "--held-out",
@@ -51,14 +51,28 @@ def main() -> int:
     )
     p.add_argument("--frames", type=int, default=4, help="frames per video")
     p.add_argument("--vqgan", help="a trained VQGAN folder (default: train one, as the demo)")
-    p.add_argument("--vqgan-steps", type=int, default=500)
-    p.add_argument("--text-first-ratio", type=float, default=0.5)
-    p.add_argument("--lm-steps", type=int, default=900)
+    p.add_argument(
+        "--vqgan-steps", type=int, default=500, help="training steps of the VQGAN (without --vqgan)"
+    )
+    p.add_argument(
+        "--text-first-ratio",
+        type=float,
+        default=0.5,
+        help="share of the captions written before their video (lwm tokenize)",
+    )
+    p.add_argument("--lm-steps", type=int, default=900, help="training steps of the world model")
     p.add_argument("--mesh", default="1,2,4,1", help="dp,fsdp,sp,tp of the world model")
     # The sampling that drew the caption's colour most often on the demo's world (README,
     # "lwm generate"): guidance 3 at temperature 0.3 (at temperature 1, 63%).
-    p.add_argument("--cfg-scale", type=float, default=3.0)
-    p.add_argument("--temperature", type=float, default=0.3)
+    p.add_argument(
+        "--cfg-scale",
+        type=float,
+        default=3.0,
+        help="classifier-free guidance of the clips (1: none)",
+    )
+    p.add_argument(
+        "--temperature", type=float, default=0.3, help="sampling temperature of the clips"
+    )
     p.add_argument(
         "--lm-set",
         action="append",
