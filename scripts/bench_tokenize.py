@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         summary = tokenize_dataset(opts, log=lambda _msg: None, mesh=make_mesh("1,-1,1,1"))
         wall = time.perf_counter() - start
         row = {
+            "bench": "tokenize",
             "workers": workers,
             "videos": summary.ok,
             "frames": summary.frames,

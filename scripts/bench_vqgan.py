@@ -15,8 +15,8 @@ has no compute-dtype setting). One line per (op, dtype, impl) and one with ours 
 frames/s.
 
 One JSON line per measurement:
-  {"op": "encode", "dtype": "float32", "batch": 2, "device_s": ..., "total_s": ...,
-   "outside_s": ..., "frames_per_s": ..., "device_frames_per_s": ...}
+  {"bench": "vqgan", "op": "encode", "dtype": "float32", "batch": 2, "device_s": ...,
+   "total_s": ..., "outside_s": ..., "frames_per_s": ..., "device_frames_per_s": ...}
 ``device_s``: the jitted program alone on arrays already on the device (best of --repeats);
 ``total_s``: `tok.encode(uint8 numpy frames)` / `tok.decode(numpy codes)` end to end (best of
 --repeats); ``outside_s = total_s - device_s``. Parameters are random (speed does not depend
@@ -120,6 +120,7 @@ def main() -> None:
                 )
                 total_s = _best(lambda public=public, host=host: public(host), args.repeats)
                 row = {
+                    "bench": "vqgan",
                     "op": op,
                     "dtype": dtype,
                     "batch": n,
@@ -194,11 +195,12 @@ def compare_lwm(args: argparse.Namespace) -> None:
                 for impl in ("ours", "lwm"):
                     t = statistics.median(times[(op, impl)])
                     fps[impl] = batch / t
-                    row = {"op": op, "dtype": dtype, "impl": impl, "batch": batch}
+                    row = {"bench": "vqgan", "op": op, "dtype": dtype, "impl": impl, "batch": batch}
                     row |= {"time_s": round(t, 4), "frames_per_s": round(fps[impl], 3)}
                     print(json.dumps(row), flush=True)
                 ratio = round(fps["ours"] / fps["lwm"], 3)
-                print(json.dumps({"op": op, "dtype": dtype, "ours_vs_lwm": ratio}), flush=True)
+                ratio_row = {"bench": "vqgan", "op": op, "dtype": dtype, "ours_vs_lwm": ratio}
+                print(json.dumps(ratio_row), flush=True)
 
 
 if __name__ == "__main__":
