@@ -155,7 +155,7 @@ def main() -> int:
     lwm = [py, "-m", "lwm"]
     env = dict(os.environ)
     if not args.videos_only:  # before step 1, not in a later step after the videos
-        check_mesh("--mesh", args.mesh, args.platform, env)
+        check_mesh("--mesh", args.mesh, args.platform)
     # On a CPU every JAX verb runs on as many simulated devices as the world model's mesh has;
     # on a GPU, on the devices JAX finds.
     cpu = ["--cpu-devices", str(math.prod(int(n) for n in args.mesh.split(",")))]

@@ -56,30 +56,23 @@ def check_vqgan(path: str) -> None:
         )
 
 
-def check_mesh(
-    flag: str, mesh: str, platform: str = "cpu", env: dict[str, str] | None = None
-) -> None:
+def check_mesh(flag: str, mesh: str, platform: str = "cpu") -> None:
     """Refuse (MeshError, a ValueError), before any step, a mesh (option ``flag``) that the
-    devices of the steps cannot form: on a cpu there are as many simulated devices as the mesh
-    has (``--cpu-devices``), so it must give every axis's size; on a gpu, the devices JAX finds
-    (asked in a child process, which lets the GPU go before the steps start; where that fails,
-    the steps say why)."""
+    simulated devices of the steps cannot form: on a cpu there are as many as the mesh has
+    (``--cpu-devices``), so it must give every axis's size. On a gpu the steps see the devices
+    JAX finds, and the first step that builds the mesh says what does not fit (asking JAX
+    here would start the GPU in this process too)."""
     from lwm.base.mesh import MeshError, parse_mesh_shape
 
-    items = [s.strip() for s in mesh.split(",")]
     if platform == "gpu":
-        ask = [sys.executable, "-c", "import jax; print(jax.device_count())"]
-        found = subprocess.run(ask, env=env, capture_output=True, text=True)
-        if found.returncode or not found.stdout.strip().isdigit():
-            return
-        devices = int(found.stdout)
-    elif "-1" in items:
+        return
+    items = [s.strip() for s in mesh.split(",")]
+    if "-1" in items:
         raise MeshError(
             f"{flag} '{mesh}': on cpu the simulated devices are as many as the mesh has: give "
             "every axis's size, not -1"
         )
-    else:
-        devices = math.prod(int(s) for s in items if s.isdigit()) or 1
+    devices = math.prod(int(s) for s in items if s.isdigit()) or 1
     try:
         parse_mesh_shape(mesh, devices)
     except MeshError as e:
