@@ -36,20 +36,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from lwm.commands import fraction_range  # noqa: E402
 
 MIN_FRAMES = 3  # data.synthetic.sample_video's shortest video
-
-
-def _range(flag: str, text: str) -> tuple[float, float]:
-    """``LO,HI`` as lwm synthetic takes it (0 < LO <= HI < 1), or a ValueError naming ``flag``."""
-    try:
-        lo, hi = (float(v) for v in text.split(","))
-    except ValueError:
-        raise ValueError(f"{flag}: expected LO,HI (two numbers), got {text!r}") from None
-    if not 0 < lo <= hi < 1:
-        raise ValueError(f"{flag}: expected 0 < LO <= HI < 1, got {text!r}")
-    return lo, hi
 
 
 def _softmax_regression(x, y, classes, steps=500, lr=2.0, l2=1e-4):
@@ -75,8 +64,12 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=99, help="a seed the VQGAN never trained on")
     p.add_argument("--max-distance", type=float, default=80.0, help="colour tolerance, decoded")
     p.add_argument("--max-objects", type=int, default=3, help="most shapes in a video")
-    p.add_argument("--radius", default=None, help="LO,HI as in lwm synthetic (0 < LO <= HI < 1)")
-    p.add_argument("--travel", default=None, help="LO,HI as in lwm synthetic (0 < LO <= HI < 1)")
+    p.add_argument(
+        "--radius", type=fraction_range, help="LO,HI as in lwm synthetic (0 < LO <= HI < 1)"
+    )
+    p.add_argument(
+        "--travel", type=fraction_range, help="LO,HI as in lwm synthetic (0 < LO <= HI < 1)"
+    )
     p.add_argument("--mlp", action="store_true", help="also the learned-embedding probe")
     p.add_argument("--mlp-steps", type=int, default=2000, help="training steps of --mlp")
     args = p.parse_args()
@@ -84,9 +77,9 @@ def main() -> int:
         raise ValueError(f"--frames {args.frames} is below {MIN_FRAMES}, the shortest video")
     world = {"max_objects": args.max_objects}
     if args.radius:
-        world["radius"] = _range("--radius", args.radius)
+        world["radius"] = args.radius
     if args.travel:
-        world["travel"] = _range("--travel", args.travel)
+        world["travel"] = args.travel
 
     import vqgan
     from data.synthetic import PALETTE, SHAPES, render_video, sample_video

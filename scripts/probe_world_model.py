@@ -35,6 +35,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from data.synthetic import DEMO_WORLD  # noqa: E402
+from lwm.commands import fraction_range  # noqa: E402
 
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
@@ -70,10 +71,16 @@ def main() -> int:
     w = DEMO_WORLD  # the default: the demo's world
     p.add_argument("--max-objects", type=int, default=w["max_objects"])
     p.add_argument(
-        "--radius", default=",".join(map(str, w["radius"])), help="LO,HI as in lwm synthetic"
+        "--radius",
+        type=fraction_range,
+        default=tuple(w["radius"]),
+        help="LO,HI as in lwm synthetic",
     )
     p.add_argument(
-        "--travel", default=",".join(map(str, w["travel"])), help="LO,HI as in lwm synthetic"
+        "--travel",
+        type=fraction_range,
+        default=tuple(w["travel"]),
+        help="LO,HI as in lwm synthetic",
     )
     args = p.parse_args()
 
@@ -88,8 +95,8 @@ def main() -> int:
     model, tok, codec = load_run_inputs(args)
     world = {
         "max_objects": args.max_objects,
-        "radius": tuple(float(v) for v in args.radius.split(",")),
-        "travel": tuple(float(v) for v in args.travel.split(",")),
+        "radius": args.radius,
+        "travel": args.travel,
     }
     size, n = tok.resolution, args.videos
     specs = [

@@ -56,6 +56,9 @@ def test_eval_needle_command_writes_jsonl_and_heatmap(run, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("lwm eval: error: a prompt of 20 tokens cannot hold the question")
     assert len(err.splitlines()) == 1
+    assert lwm([*needle, "--kind", "video", "--clip-frames", "2"]) == 2
+    err = capsys.readouterr().err  # before the model loads (it failed after)
+    assert err == "lwm eval: error: --clip-frames must be at least 3 (a clip's motion), not 2\n"
     assert lwm([*needle, "--kind", "video", "--needle-colours", "white,pink"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("lwm eval: error: --needle-colours: unknown colour 'pink' (known: red,")

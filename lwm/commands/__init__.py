@@ -51,6 +51,18 @@ def fraction(text: str) -> float:
     return _number(float, text, lambda v: 0 <= v <= 1, "a number from 0 to 1")
 
 
+def fraction_range(text: str) -> tuple[float, float]:
+    """``LO,HI`` with 0 < LO <= HI < 1: a range of sizes as fractions of a frame (the
+    synthetic world's ``radius`` and ``travel``)."""
+    try:
+        lo, hi = (float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LO,HI (two numbers), got {text!r}") from None
+    if not 0 < lo <= hi < 1:
+        raise argparse.ArgumentTypeError(f"expected 0 < LO <= HI < 1, got {text!r}")
+    return lo, hi
+
+
 def non_negative_float(text: str) -> float:
     return _number(float, text, lambda v: v >= 0, "a number >= 0")
 

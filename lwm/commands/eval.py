@@ -38,6 +38,7 @@ from pathlib import Path
 from data.synthetic import DEMO_WORLD
 from lwm.commands import (
     add_cpu_devices,
+    fraction_range,
     non_negative_float,
     output_file,
     output_folder,
@@ -146,7 +147,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--needles", type=positive_int, default=4, help="multi: needles inserted")
     p.add_argument("--asked", type=positive_int, default=2, help="multi: needles asked")
     p.add_argument("--haystack", help="text file of the haystack (default: lwm/haystack.txt)")
-    p.add_argument("--clip-frames", type=positive_int, default=4, help="video: frames per clip")
+    p.add_argument(
+        "--clip-frames", type=positive_int, default=4, help="video: frames per clip (at least 3)"
+    )
     p.add_argument("--needle-frames", type=positive_int, default=1, help="video: needle frames")
     p.add_argument(
         "--max-objects",
@@ -156,14 +159,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--radius",
-        type=_numbers(float),
-        default=list(DEMO_WORLD["radius"]),
-        help="video: shape radius range (default: the demo's world)",
+        type=fraction_range,
+        default=tuple(DEMO_WORLD["radius"]),
+        help="video: LO,HI, shape radius range (default: the demo's world)",
     )
     p.add_argument(
         "--needle-radius",
-        type=_numbers(float),
-        help="video: the needle's radius range (default: --radius)",
+        type=fraction_range,
+        help="video: LO,HI, the needle's radius range (default: --radius)",
     )
     p.add_argument(
         "--needle-colours",
@@ -289,15 +292,13 @@ def _needle(args: argparse.Namespace) -> int:
 
     output_folder("--out", args.out)
     bad = [d for d in args.depths if not 0.0 <= d <= 1.0]
-    pairs = [f for f in ("radius", "needle_radius") if len(getattr(args, f) or [0, 0]) != 2]
     what = None
     if bad or min(args.lengths) < 1:
         what = f"depth {bad[0]} is not in [0, 1]" if bad else "lengths must be positive"
-    elif pairs:
-        flag = "--" + pairs[0].replace("_", "-")
-        what = f"{flag}: expected LO,HI (two numbers), got {getattr(args, pairs[0])}"
     elif args.kind == "multi" and args.asked > args.needles:
         what = f"--asked {args.asked} is more than --needles {args.needles}"
+    elif args.kind == "video" and args.clip_frames < 3:  # the synthetic world's least
+        what = f"--clip-frames must be at least 3 (a clip's motion), not {args.clip_frames}"
     if what:
         print(f"lwm eval: error: {what}", file=sys.stderr)
         return 2
@@ -332,9 +333,9 @@ def _needle(args: argparse.Namespace) -> int:
                 clip_frames=args.clip_frames,
                 needle_frames=args.needle_frames,
                 max_objects=args.max_objects,
-                radius=tuple(args.radius),
+                radius=args.radius,
                 travel=DEMO_WORLD["travel"],
-                needle_radius=tuple(args.needle_radius) if args.needle_radius else None,
+                needle_radius=args.needle_radius,
                 needle_colours=args.needle_colours,
             )
         report = evaluate_needles(qa, cases, log=_log)

@@ -18,20 +18,11 @@ import sys
 from lwm.commands import (
     even_positive_int,
     fraction,
+    fraction_range,
     non_negative_int,
     output_folder,
     positive_int,
 )
-
-
-def _pair(text: str) -> tuple[float, float]:
-    try:
-        lo, hi = (float(v) for v in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected LO,HI (two numbers), got {text!r}") from None
-    if not 0 < lo <= hi < 1:
-        raise argparse.ArgumentTypeError(f"expected 0 < LO <= HI < 1, got {text!r}")
-    return lo, hi
 
 
 def _also(text: str) -> tuple[str, tuple[str, ...]]:
@@ -66,10 +57,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-objects", type=positive_int, default=3, help="moving shapes per video, at most"
     )
     parser.add_argument(
-        "--radius", type=_pair, default=RADIUS, help="LO,HI: shape radius as a fraction of --size"
+        "--radius",
+        type=fraction_range,
+        default=RADIUS,
+        help="LO,HI: shape radius as a fraction of --size",
     )
     parser.add_argument(
-        "--travel", type=_pair, default=TRAVEL, help="LO,HI: distance moved, fraction of --size"
+        "--travel",
+        type=fraction_range,
+        default=TRAVEL,
+        help="LO,HI: distance moved, fraction of --size",
     )
     parser.add_argument(
         "--no-captions", action="store_true", help="only QA lines in the manifest, no captions"
