@@ -141,7 +141,9 @@ def prefill(
 ) -> tuple[KVCache, jax.Array]:
     """Run the prompt through the model with its own attention (blockwise or ring) and keep
     each layer's keys and values. Returns the cache and the hidden state of each row's last
-    prompt token."""
+    prompt token. The prompts' width must be a multiple of the mesh's ``sp`` (`generate`
+    pads them: `prompt_width`)."""
+    model._check_inputs(tokens, vision_mask=vision_mask)
     b, p = tokens.shape
     positions = default_positions(b, p)
     # Where the model's layout is the prompt's own order, attention is told nothing: each row
@@ -459,6 +461,35 @@ def _generate(
     return out, lengths
 
 
+def _check_prompts(
+    tokens: jax.Array, vision_mask: jax.Array, lengths, names: tuple[str, str, str]
+) -> jax.Array:
+    """Each row's prompt length as ``int32 [batch]``, after checking what `generate` is given
+    (``names``: of those three arguments): ``[batch, width]`` prompts, a vision mask of their
+    shape, and lengths from 1 to the width (past it, the cache's empty slots were attended; at
+    0, the last position read was index -1; a narrower mask was padded as text)."""
+    name, mask, length = names
+    if tokens.ndim != 2:
+        raise ValueError(f"{name} must be [batch, width], got shape {tokens.shape}")
+    if vision_mask.shape != tokens.shape:
+        raise ValueError(f"{mask} has shape {vision_mask.shape}; its prompts {tokens.shape}")
+    given = jnp.asarray(lengths, jnp.int32)
+    if given.ndim > 1 or (given.ndim == 1 and given.shape[0] != tokens.shape[0]):
+        raise ValueError(
+            f"{length} must be one length or one per row ({tokens.shape[0]}), got "
+            f"shape {given.shape}"
+        )
+    lengths = jnp.broadcast_to(given, (tokens.shape[0],))
+    if not isinstance(lengths, jax.core.Tracer):
+        low, high = int(lengths.min()), int(lengths.max())
+        if low < 1 or high > tokens.shape[1]:
+            raise ValueError(
+                f"{length} must lie in [1, {tokens.shape[1]}] (the prompts' width), got "
+                f"{low if low < 1 else high}"
+            )
+    return lengths
+
+
 def generate(
     model: LWMModel,
     tokens: jax.Array,
@@ -487,9 +518,13 @@ def generate(
     ``prefill_chunk``: prefill the prompts in chunks of this many tokens (`prefill_chunked`),
     so the longest prompt is bounded by the cache, not by one prefill's activations.
     """
+    if not isinstance(sampling, Sampling):
+        raise TypeError(f"sampling must be a Sampling, got {type(sampling).__name__}")
     tokens = jnp.asarray(tokens, jnp.int32)
     vision_mask = jnp.asarray(vision_mask, bool)
-    prompt_len = jnp.broadcast_to(jnp.asarray(prompt_len, jnp.int32), (tokens.shape[0],))
+    prompt_len = _check_prompts(
+        tokens, vision_mask, prompt_len, ("tokens", "vision_mask", "prompt_len")
+    )
     if mode not in ("text", "vision"):
         raise ValueError(f"unknown generation mode '{mode}'; choose text or vision")
     if mode == "vision" and num_frames is not None:
@@ -502,13 +537,22 @@ def generate(
     if cfg_scale is not None:
         if uncond_tokens is None or uncond_vision_mask is None or uncond_len is None:
             raise ValueError("cfg_scale needs uncond_tokens, uncond_vision_mask and uncond_len")
+        uncond_tokens = jnp.asarray(uncond_tokens, jnp.int32)
+        uncond_vision_mask = jnp.asarray(uncond_vision_mask, bool)
+        uncond_len = _check_prompts(
+            uncond_tokens,
+            uncond_vision_mask,
+            uncond_len,
+            ("uncond_tokens", "uncond_vision_mask", "uncond_len"),
+        )
+        if uncond_tokens.shape[0] != tokens.shape[0]:
+            raise ValueError(
+                f"uncond_tokens has {uncond_tokens.shape[0]} rows, the prompts {tokens.shape[0]}"
+            )
         width = max(tokens.shape[1], uncond_tokens.shape[1])
         pad = lambda x: jnp.pad(jnp.asarray(x), [(0, 0), (0, width - x.shape[1])])  # noqa: E731
-        tokens = jnp.concatenate([pad(tokens), pad(jnp.asarray(uncond_tokens, jnp.int32))])
-        vision_mask = jnp.concatenate(
-            [pad(vision_mask), pad(jnp.asarray(uncond_vision_mask, bool))]
-        )
-        uncond_len = jnp.broadcast_to(jnp.asarray(uncond_len, jnp.int32), prompt_len.shape)
+        tokens = jnp.concatenate([pad(tokens), pad(uncond_tokens)])
+        vision_mask = jnp.concatenate([pad(vision_mask), pad(uncond_vision_mask)])
         prompt_len = jnp.concatenate([prompt_len, uncond_len])
     sp = 1 if model.mesh is None else model.mesh.shape["sp"]
     width, prefill_chunk = prompt_width(tokens.shape[1], sp, prefill_chunk)

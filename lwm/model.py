@@ -29,7 +29,7 @@ from lwm.attention import (
     ring_attention,
 )
 from lwm.attention.layout import Layout, layout_permutation
-from lwm.base.mesh import SEQUENCE_AXIS, logical_sharding, logical_to_spec
+from lwm.base.mesh import SEQUENCE_AXIS, check_batch_fits, logical_sharding, logical_to_spec
 from lwm.config import ModelConfig
 from lwm.info import ParamSpec, layer_param_specs, param_specs
 
@@ -413,6 +413,18 @@ class LWMModel(nnx.Module):
             layers_out = None if outs[0] is None else jax.tree.map(lambda *a: jnp.stack(a), *outs)
         return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), layers_out
 
+    def _check_inputs(self, tokens: jax.Array, **others: jax.Array | None) -> None:
+        """The shapes the model reads (static, so checked when traced too): ``[batch, seq]``
+        tokens, the others of their shape, and a batch and length that the mesh's data and
+        sequence axes divide. (Token ids are not checked: out of range, they are clamped.)"""
+        if tokens.ndim != 2:
+            raise ValueError(f"tokens must be [batch, seq], got shape {tokens.shape}")
+        for name, x in others.items():
+            if x is not None and x.shape != tokens.shape:
+                raise ValueError(f"{name} has shape {x.shape}; the tokens {tokens.shape}")
+        if self.mesh is not None:
+            check_batch_fits(self.mesh, *tokens.shape)
+
     def hidden_states(
         self,
         tokens: jax.Array,
@@ -435,6 +447,8 @@ class LWMModel(nnx.Module):
         Positions still drive the rotary embeddings."""
         if rows not in ROW_ORDERS:
             raise ValueError(f"unknown row order '{rows}'; choose one of {', '.join(ROW_ORDERS)}")
+        self._check_inputs(tokens, vision_mask=vision_mask, positions=positions,
+                           segment_ids=segment_ids)  # fmt: skip
         b, s = tokens.shape
         if positions is None:
             positions = default_positions(b, s)

@@ -244,6 +244,27 @@ def test_bad_arguments_are_clear_errors():
         generate(
             model, tokens, vision, lens, key=jax.random.key(0), max_new_tokens=2, cfg_scale=2.0
         )
+    # Prompts that do not fit their lengths or masks: each was run, and answered wrongly (the
+    # cache's empty slots attended, index -1 read, a narrower mask padded as text).
+    width, rows = tokens.shape[1], tokens.shape[0]
+    for bad, message in [
+        (
+            dict(prompt_len=[width + 1] * rows),
+            rf"prompt_len must lie in \[1, {width}\].*got {width + 1}",
+        ),
+        (dict(prompt_len=0), rf"prompt_len must lie in \[1, {width}\].*got 0"),
+        (dict(prompt_len=[1] * (rows + 1)), "prompt_len must be one length or one per row"),
+        (dict(vision_mask=np.asarray(vision)[:, :3]), "vision_mask has shape"),
+        (dict(tokens=np.asarray(tokens)[0]), r"tokens must be \[batch, width\]"),
+    ]:
+        args = dict(tokens=tokens, vision_mask=vision, prompt_len=lens) | bad
+        if "tokens" in bad:
+            args["vision_mask"] = np.asarray(vision)[0]
+        with pytest.raises(ValueError, match=message):
+            generate(model, **args, key=jax.random.key(0), max_new_tokens=2)
+    with pytest.raises(TypeError, match="sampling must be a Sampling, got dict"):
+        generate(model, tokens, vision, lens, key=jax.random.key(0), max_new_tokens=2,
+                 sampling={"temperature": 0.5})  # fmt: skip
 
 
 @pytest.mark.parametrize("mesh_shape,grid,window", [("1,1,4,2", (2, 4), 1)])  # cache: sp, tp

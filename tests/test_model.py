@@ -298,3 +298,21 @@ def test_partial_rotary_ring_model_equals_dense():
 def test_rope_dims_must_be_even_and_within_a_head(rope_dims):
     with pytest.raises(ValueError, match="rope_dims"):
         debug_cfg().model_validate({**debug_cfg().model_dump(), "rope_dims": rope_dims})
+
+
+def test_inputs_of_other_shapes_are_one_clear_error():
+    """Shapes the model cannot read are named before anything is traced deep (they were
+    broadcasting errors inside attention, or JAX's IndivisibleError from a sharding)."""
+    from lwm.base.mesh import MeshError
+
+    cfg = debug_cfg(attention="ring")
+    model = create_model(cfg, mesh=make_mesh("1,1,8,1"))
+    tokens, mask = jnp.zeros((2, 64), jnp.int32), jnp.zeros((2, 64), bool)
+    with pytest.raises(ValueError, match=r"vision_mask has shape \(2, 60\); the tokens \(2, 64\)"):
+        model(tokens, mask[:, :60])
+    with pytest.raises(ValueError, match=r"tokens must be \[batch, seq\], got shape \(64,\)"):
+        model(tokens[0], mask[0])
+    with pytest.raises(ValueError, match=r"positions has shape \(64,\)"):
+        model(tokens, mask, jnp.arange(64))
+    with pytest.raises(MeshError, match="sequence length 60 is not divisible by sp = 8"):
+        model(tokens[:, :60], mask[:, :60])
