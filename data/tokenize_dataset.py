@@ -187,7 +187,11 @@ def tokenize_dataset(
     """Run the job described by ``opts`` (see the module docstring); returns its summary.
     ``encoder``: the VQGAN (default: `vqgan.load_tokenizer` of ``opts.vqgan`` on ``mesh``, the
     caller's, whose batch axes split each chunk of frames; without one, one device).
-    ``distributed``: this process is one of a `jax.distributed` job that shares the chunks."""
+    ``distributed``: this process is one of a `jax.distributed` job that shares the chunks.
+    With decoding workers (``opts.workers`` not 0; the default is one per core), they are
+    spawned processes, which import the calling script again: call this under
+    ``if __name__ == "__main__":`` (Python's rule for spawned processes), or with
+    ``workers=0``."""
     log = log or (lambda msg: print(msg, file=sys.stderr))
     out = Path(opts.output)
     work = work_dir(out)

@@ -21,7 +21,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from data.tokens import TextCodec, frame_cells, frame_window, qa_prompt, video_prompt_streams
+from data.tokens import (
+    NUM_CODES,
+    TextCodec,
+    frame_cells,
+    frame_window,
+    qa_prompt,
+    video_prompt_streams,
+)
 from lwm.generate import GREEDY, Sampling, decode_loop, empty_cache, extend
 from lwm.model import LWMModel
 from lwm.qa_eval import Answer
@@ -86,6 +93,14 @@ class ChatSession:
                 f"max_context {max_context} must be a multiple of sp = {sp}, and the prefill "
                 f"chunk positive (got {prefill_chunk})"
             )
+        if codes is not None and np.size(codes):
+            limit = model.cfg.vision_codes or NUM_CODES
+            low, high = int(np.min(codes)), int(np.max(codes))
+            if low < 0 or high >= limit:  # they would be read as markers or as nothing learned
+                raise ValueError(
+                    f"codes must lie in [0, {limit}) (the model's vision codes), got "
+                    f"[{low}, {high}]"
+                )
         self.model, self.codec = model, codec
         # A chunk longer than the cache holds nothing more (a feed never exceeds it) and would
         # not fit it: cut to the cache.

@@ -143,6 +143,16 @@ def shortest_text_prompt(codec: TextCodec, needles: int = 1) -> int:
     return bos + tail + sum(longest[:needles]) + 1
 
 
+def check_grid(lengths: Sequence[int], depths: Sequence[float]) -> None:
+    """A `ValueError` unless every length is positive and every depth in [0, 1] (a depth past
+    1 put the needle at the end, labelled with the depth asked)."""
+    if not lengths or min(lengths) < 1:
+        raise ValueError("lengths must be positive")
+    bad = [d for d in depths if not 0.0 <= d <= 1.0]
+    if bad or not depths:
+        raise ValueError(f"depth {bad[0]} is not in [0, 1]" if bad else "no depths given")
+
+
 def text_cases(
     codec: TextCodec,
     *,
@@ -157,6 +167,7 @@ def text_cases(
     """The text (``needles == 1``) or multi-needle grid: ``samples`` cases per (length, depth);
     ``length`` counts the whole prompt's tokens. Checked when called, before any case is made:
     a length shorter than `shortest_text_prompt` is an error naming it."""
+    check_grid(lengths, depths)
     if not 1 <= asked <= needles <= len(CITIES):
         raise ValueError(
             f"need 1 <= asked <= needles <= {len(CITIES)}, got {asked} asked of {needles}"
@@ -335,7 +346,13 @@ def video_cases(
     **video: Any,
 ) -> Iterator[NeedleCase]:
     """The video grid: ``samples`` long videos per (frames, depth), each encoded with ``vqgan``
-    and asked what appeared briefly; ``video``: `needle_video`'s options."""
+    and asked what appeared briefly; ``video``: `needle_video`'s options. The grid is checked
+    when called (`check_grid`)."""
+    check_grid(lengths, depths)
+    return _video_cases(codec, vqgan, lengths, depths, samples, seed, video)
+
+
+def _video_cases(codec, vqgan, lengths, depths, samples, seed, video):
     for length in lengths:
         for depth in depths:
             for sample in range(samples):

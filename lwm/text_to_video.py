@@ -56,6 +56,8 @@ class VideoGenerator:
         without one (the unconditional prompt)."""
         if frames < 1:
             raise ValueError(f"frames must be at least 1, got {frames}")
+        if isinstance(captions, str):  # each character was a caption
+            raise TypeError("captions must be a list of captions (or None), not one string")
         out = [
             self._batch(captions[start : start + self.batch_size], frames, start)
             for start in range(0, len(captions), self.batch_size)

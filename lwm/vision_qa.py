@@ -80,6 +80,7 @@ class VideoQA:
         return self._codes[key]
 
     def answer(self, pairs: Sequence[tuple[str | Path, str]]) -> list[Answer]:
+        _check_pairs(pairs)
         prompts = [qa_prompt_streams(self.codec, self.codes(v), q) for v, q in pairs]
         answers: list[Answer] = []
         for start in range(0, len(prompts), self.batch_size):
@@ -92,6 +93,7 @@ class VideoQA:
         question follows the earlier questions and the model's own answers to them (each
         closed by its EOS, also when cut). Turn k of every conversation is answered in one
         pass over all of them."""
+        _check_pairs(pairs)
         order: dict[str, list[int]] = {}
         for i, (video, _) in enumerate(pairs):
             order.setdefault(str(video), []).append(i)
@@ -151,6 +153,12 @@ class VideoQA:
             text = self.codec.tokenizer.decode(ids, skip_special_tokens=True).strip()
             answers.append((Answer(text, cut=not ended), generated))
         return answers
+
+
+def _check_pairs(pairs: Sequence[tuple[str | Path, str]]) -> None:
+    """``pairs`` is a list of ``(video, question)`` (one pair alone was read as two)."""
+    if isinstance(pairs, tuple) and len(pairs) == 2 and isinstance(pairs[1], str):
+        raise TypeError("pairs must be a list of (video, question) pairs, not one pair")
 
 
 class TrainingInputs(dict):

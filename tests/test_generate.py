@@ -384,3 +384,25 @@ def test_conversations_in_a_batch_equal_lwm_chat():
     assert any(a.cut for a in want) and len({a.text for a in want}) > 1
     # the first turn of each conversation is the question asked alone
     assert [got[0], got[1]] == qa.answer([pairs[0], pairs[1]])
+
+
+def test_the_python_api_refuses_what_it_would_misread():
+    """What the commands never pass but a script may: codes past the model's vision codes
+    (answered as if learned), one (video, question) pair or one caption where a list is asked
+    for (read item by item: one clip per character), one override string (one per character)."""
+    from data.tokens import NUM_CODES, TextCodec
+    from lwm.chat import ChatSession
+    from lwm.config import ConfigError
+    from lwm.text_to_video import VideoGenerator
+    from lwm.vision_qa import VideoQA
+
+    model, codec = create_model(debug_cfg()), TextCodec.load()
+    codes = np.full((1, 2, 2), NUM_CODES, np.int32)
+    with pytest.raises(ValueError, match=rf"codes must lie in \[0, {NUM_CODES}\).*got \["):
+        ChatSession(model, codec, codes)
+    with pytest.raises(TypeError, match="a list of \\(video, question\\) pairs, not one pair"):
+        VideoQA(model, codec, None).answer(("v.mp4", "How many?"))
+    with pytest.raises(TypeError, match="captions must be a list of captions"):
+        VideoGenerator(model, codec, None).codes("A red circle.", frames=1)
+    with pytest.raises(ConfigError, match="overrides must be a list of 'key=value' strings"):
+        load_config("configs/debug.yaml", "model.num_layers=2")

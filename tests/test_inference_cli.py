@@ -161,3 +161,15 @@ def test_a_vqgan_with_more_codes_than_the_model_reads_is_refused(run, tmp_path, 
     assert err == (
         f"lwm ask: error: the VQGAN {vqgan} has 128 codes, more than the model's vision_codes (64)"
     )
+
+
+def test_a_run_loaded_with_other_vision_codes_is_refused(run):
+    """The same vision table read as other codes (the run learned 64; with none set, its head
+    scored all 8,448): refused, as other parameter shapes are."""
+    from lwm.runs import run_config
+    from lwm.weights import WeightsError, load_model
+
+    cfg = run_config(run).model
+    assert load_model(f"run:{run}", cfg, log=lambda _: None).cfg.vision_codes == 64
+    with pytest.raises(WeightsError, match=r"model.vision_codes: 64 there, None here"):
+        load_model(f"run:{run}", cfg.model_copy(update={"vision_codes": None}), log=print)

@@ -115,6 +115,10 @@ def test_multi_needle_scores_the_share_of_asked_needles_found(codec):
     assert summary["cases"] == 3 and summary["questions"] == 6  # "cases" counted questions
     with pytest.raises(ValueError, match=r"a prompt of 5 tokens cannot hold .* at least \d+$"):
         text_cases(codec, lengths=[5], depths=[0.0])  # it said "a haystack of -13 tokens"
+    with pytest.raises(ValueError, match=r"depth 1.5 is not in \[0, 1\]"):
+        text_cases(codec, lengths=[800], depths=[0.5, 1.5])  # made cases labelled 1.5
+    with pytest.raises(ValueError, match=r"depth -0.1 is not in \[0, 1\]"):
+        video_cases(codec, None, lengths=[8], depths=[-0.1])
 
 
 @pytest.mark.parametrize("needles", [1, 3])

@@ -76,6 +76,8 @@ RootT = TypeVar("RootT", bound=BaseModel)
 def load_config(path: str | Path, overrides: Sequence[str], root: type[RootT]) -> RootT:
     """Load a YAML config (following `base:` links), apply `a.b=value` overrides, validate
     into `root`, the config class of the file (`lwm.config.Config`, `vqgan.config.VQGANConfig`)."""
+    if isinstance(overrides, str):  # each character was an override
+        raise ConfigError(f"overrides must be a list of 'key=value' strings, got {overrides!r}")
     data = _load_yaml_with_base(Path(path), ())
     for override in overrides:
         _apply_override(data, override, root)

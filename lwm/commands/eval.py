@@ -284,6 +284,7 @@ def _needle(args: argparse.Namespace) -> int:
 
     from lwm.needle import (
         Haystack,
+        check_grid,
         check_needle_colours,
         evaluate_needles,
         text_cases,
@@ -291,14 +292,15 @@ def _needle(args: argparse.Namespace) -> int:
     )
 
     output_folder("--out", args.out)
-    bad = [d for d in args.depths if not 0.0 <= d <= 1.0]
     what = None
-    if bad or min(args.lengths) < 1:
-        what = f"depth {bad[0]} is not in [0, 1]" if bad else "lengths must be positive"
-    elif args.kind == "multi" and args.asked > args.needles:
+    if args.kind == "multi" and args.asked > args.needles:
         what = f"--asked {args.asked} is more than --needles {args.needles}"
     elif args.kind == "video" and args.clip_frames < 3:  # the synthetic world's least
         what = f"--clip-frames must be at least 3 (a clip's motion), not {args.clip_frames}"
+    try:
+        check_grid(args.lengths, args.depths)  # the cases check it too, after the model loads
+    except ValueError as e:
+        what = str(e)
     if what:
         print(f"lwm eval: error: {what}", file=sys.stderr)
         return 2

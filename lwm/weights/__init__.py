@@ -107,3 +107,9 @@ def _check_same_shapes(found: ModelConfig, wanted: ModelConfig, where: str) -> N
             f"the model of run '{where}' has other parameter shapes than the config asks for "
             f"({'; '.join(differences)})"
         )
+    if found.vision_codes != wanted.vision_codes:  # the same table, read as other codes
+        raise WeightsError(
+            f"the model of run '{where}' learned {found.vision_codes or 'every'} vision codes "
+            f"(model.vision_codes: {found.vision_codes} there, {wanted.vision_codes} here): "
+            "its vision head would score codes it never learned"
+        )
