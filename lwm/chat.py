@@ -22,7 +22,6 @@ import numpy as np
 from flax import nnx
 
 from data.tokens import (
-    NUM_CODES,
     TextCodec,
     frame_cells,
     frame_window,
@@ -94,7 +93,7 @@ class ChatSession:
                 f"chunk positive (got {prefill_chunk})"
             )
         if codes is not None and np.size(codes):
-            limit = model.cfg.vision_codes or NUM_CODES
+            limit = model.cfg.codes_read
             low, high = int(np.min(codes)), int(np.max(codes))
             if low < 0 or high >= limit:  # they would be read as markers or as nothing learned
                 raise ValueError(

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from data.batches import QA_CHAINED_SHARE, QA_TURNS
-from data.tokens import EOV_ID, VISION_VOCAB_SIZE
+from data.tokens import EOV_ID, NUM_CODES, VISION_VOCAB_SIZE
 from lwm.base import config as base_config
 from lwm.base.config import (
     ConfigError,
@@ -136,6 +136,12 @@ class ModelConfig(BaseModel):
                 f"rope_dims ({self.rope_dims}) must be even and at most head_dim ({self.head_dim})"
             )
         return self
+
+    @property
+    def codes_read(self) -> int:
+        """The vision codes the model reads and its vision head scores: ``vision_codes``, or
+        every code of the vision vocabulary when that is 0."""
+        return self.vision_codes or NUM_CODES
 
     @property
     def num_kv_groups(self) -> int:

@@ -34,7 +34,6 @@ from flax import nnx
 from data.tokens import (
     EOF_ID,
     EOV_ID,
-    NUM_CODES,
     frame_cells,
     frame_window,
     window_neighbours,
@@ -363,7 +362,7 @@ def decode_loop(
             is_marker = (s.step + 1) % frame == 0
             is_last = s.step + 1 == max_new_tokens
             marker = jnp.where(is_last, EOV_ID, EOF_ID)
-            code_logits = logits.at[:, model.cfg.vision_codes or NUM_CODES :].set(-jnp.inf)
+            code_logits = logits.at[:, model.cfg.codes_read :].set(-jnp.inf)
             token = jnp.where(is_marker, marker, sample_logits(code_logits, sub, sampling))
         else:
             token = sample_logits(logits, sub, sampling)

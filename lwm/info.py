@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import jax
 
-from data.tokens import NUM_CODES, window_offsets
+from data.tokens import window_offsets
 from lwm.base.mesh import logical_to_spec, shard_bytes
 from lwm.config import ModelConfig
 
@@ -118,7 +118,7 @@ def param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
         specs["embed_vision_col"] = ParamSpec((cols, h), ("grid", "embed"))
         if cfg.vision_window:
             k = len(window_offsets(cfg.vision_window))
-            codes = cfg.vision_codes or NUM_CODES
+            codes = cfg.codes_read
             specs["embed_vision_window"] = ParamSpec((k, codes, h), ("grid", "vocab", "embed"))
     layer = layer_param_specs(cfg)
     if cfg.scan_layers:

@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from data.tokens import NUM_CODES, TextCodec, text_to_video_prompt_streams
+from data.tokens import TextCodec, text_to_video_prompt_streams
 from lwm.generate import Sampling, generate, prompt_batch
 from lwm.model import LWMModel
 
@@ -122,9 +122,9 @@ def load_video_generator(
     encoder = load_tokenizer(vqgan, mesh=mesh)
     check_vqgan_fits(encoder, vqgan, cfg.model, inputs)
     codes = encoder.codebook_size
-    if (cfg.model.vision_codes or NUM_CODES) > codes:  # it would sample codes past the VQGAN's
+    if cfg.model.codes_read > codes:  # it would sample codes past the VQGAN's
         raise ValueError(
-            f"the model samples {cfg.model.vision_codes or NUM_CODES} codes "
+            f"the model samples {cfg.model.codes_read} codes "
             f"(model.vision_codes: {cfg.model.vision_codes}), the VQGAN {vqgan} decodes "
             f"{codes}; train with model.vision_codes={codes}, or give that model's VQGAN"
         )
