@@ -42,6 +42,7 @@ import typing
 import jax
 import numpy as np
 from flax import nnx
+from steps import check_choices  # scripts/steps.py
 
 from data.batches import SyntheticTokenLoader
 from lwm.base.mesh import MeshError, make_mesh, use_platform
@@ -306,17 +307,11 @@ def main() -> int:
         f"{', '.join(ROW_ORDERS)}",
     )
     args = p.parse_args()
-    for flag, given, known in (
+    check_choices(
         ("--rows", args.rows, ("auto", "device", *ROW_ORDERS)),
         ("--attention", args.attention, ATTENTIONS),
         ("--kernels", args.kernels, KERNELS),
-    ):
-        if bad := [x for x in given.split(",") if x not in known]:
-            print(
-                f"bench_train: error: unknown {flag} {bad[0]!r} (known: {', '.join(known)})",
-                file=sys.stderr,
-            )
-            return 2
+    )
     if min(args.batch, args.repeats) < 1:
         print("bench_train: error: --batch and --repeats must be at least 1", file=sys.stderr)
         return 2

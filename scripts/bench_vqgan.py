@@ -33,6 +33,7 @@ from collections.abc import Callable
 
 import jax
 import numpy as np
+from steps import check_choices  # scripts/steps.py
 
 from lwm.base.mesh import make_mesh
 from vqgan.config import load_vqgan_config
@@ -68,12 +69,10 @@ def main() -> None:
         "groups, e.g. the default)",
     )
     args = parser.parse_args()
-    for flag, given, known in (
+    check_choices(
         ("--ops", args.ops, ("encode", "decode")),
         ("--dtypes", args.dtypes, ("float32", "bfloat16")),
-    ):
-        if bad := [x for x in given.split(",") if x not in known]:
-            raise ValueError(f"unknown {flag} {bad[0]!r} (known: {', '.join(known)})")
+    )
     if min(int(b) for b in args.batches.split(",")) < 1 or args.repeats < 1:
         raise ValueError("--batches and --repeats must be at least 1")
     if args.compare_lwm:

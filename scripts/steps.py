@@ -9,6 +9,7 @@ import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,14 +47,15 @@ def check_vqgan(path: str) -> None:
     """Refuse (ValueError), before any step, a ``--vqgan`` folder the steps could not load:
     `vqgan.load_model` reads ``model.safetensors`` or a training output's ``checkpoints/``
     (``path`` is taken from the repository root, where the steps run)."""
+    import vqgan
+
     folder = ROOT / path
     if not folder.exists():
         raise ValueError(f"--vqgan '{path}' does not exist")
-    if not ((folder / "model.safetensors").is_file() or (folder / "checkpoints").is_dir()):
-        raise ValueError(
-            f"--vqgan '{path}' holds no VQGAN: expected model.safetensors and config.yaml, or "
-            "a training output folder with checkpoints/"
-        )
+    try:
+        vqgan.check_saved(folder)
+    except FileNotFoundError as e:
+        raise ValueError(f"--vqgan: {e}") from None
 
 
 def check_mesh(flag: str, mesh: str, platform: str = "cpu") -> None:
@@ -77,3 +79,11 @@ def check_mesh(flag: str, mesh: str, platform: str = "cpu") -> None:
         parse_mesh_shape(mesh, devices)
     except MeshError as e:
         raise MeshError(f"{flag}: {e}") from None
+
+
+def check_choices(*given: tuple[str, str, Sequence[str]]) -> None:
+    """Refuse (ValueError, one line) the first comma-separated value of an option that is not
+    one of its known ones: ``(flag, text, known)`` for each option."""
+    for flag, text, known in given:
+        if bad := [x for x in text.split(",") if x not in known]:
+            raise ValueError(f"unknown {flag} {bad[0]!r} (known: {', '.join(known)})")

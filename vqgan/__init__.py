@@ -41,6 +41,7 @@ from vqgan.preprocess import resize_and_crop
 __all__ = [
     "FrameSource",
     "VQGANConfig",
+    "check_saved",
     "load_model",
     "load_tokenizer",
     "load_vqgan_config",
@@ -58,20 +59,29 @@ def load_model(path: str | os.PathLike, *, dtype: str | None = None):
     from vqgan.weights import WEIGHTS_FILE, load_weights, read_config
 
     path = Path(path)
+    check_saved(path)
     if (path / WEIGHTS_FILE).is_file():
         return load_weights(path, dtype=dtype)[0]
-    if (path / "checkpoints").is_dir():
-        cfg = read_config(path).model
-        if dtype is not None:
-            cfg = cfg.model_copy(update={"dtype": dtype})
-        graphdef, state = nnx.split(nnx.eval_shape(lambda: VQGAN(cfg, rngs=nnx.Rngs(0))))
-        restored = restore_model_params(path / "checkpoints", nnx.to_pure_dict(state))
-        nnx.replace_by_pure_dict(state, restored)
-        return nnx.merge(graphdef, state)
-    raise FileNotFoundError(
-        f"'{path}' holds no VQGAN: expected {WEIGHTS_FILE} and config.yaml, or a training "
-        "output folder with checkpoints/"
-    )
+    cfg = read_config(path).model  # a training output folder: its newest checkpoint
+    if dtype is not None:
+        cfg = cfg.model_copy(update={"dtype": dtype})
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: VQGAN(cfg, rngs=nnx.Rngs(0))))
+    restored = restore_model_params(path / "checkpoints", nnx.to_pure_dict(state))
+    nnx.replace_by_pure_dict(state, restored)
+    return nnx.merge(graphdef, state)
+
+
+def check_saved(path: str | os.PathLike) -> None:
+    """A `FileNotFoundError` unless ``path`` holds a VQGAN `load_model` reads: the weights
+    file (with config.yaml), or a training output folder with ``checkpoints/``."""
+    from vqgan.weights import WEIGHTS_FILE
+
+    path = Path(path)
+    if not ((path / WEIGHTS_FILE).is_file() or (path / "checkpoints").is_dir()):
+        raise FileNotFoundError(
+            f"'{path}' holds no VQGAN: expected {WEIGHTS_FILE} and config.yaml, or a training "
+            "output folder with checkpoints/"
+        )
 
 
 def load_tokenizer(
