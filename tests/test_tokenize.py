@@ -466,6 +466,10 @@ def test_ctrl_c_stops_with_its_workers_and_keeps_the_finished_chunks(
     common = ["--input", str(synthetic), "--vqgan", str(vqgan_dir), "--output", str(tmp_path / "t")]
     common += ["--chunk-size", "1", "--batch-frames", "16", "--no-progress", "--workers", "2"]
     slow = HANG_AFTER.replace("threading.Event().wait()", "threading.Event().wait(3)")
+    # A terminal's foreground job starts with Ctrl-C's default action; a suite run in the
+    # background by a shell without job control (`pytest &` in a script) starts with SIGINT
+    # ignored, which the child would inherit, and Python then installs no KeyboardInterrupt.
+    slow = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n" + slow
     proc = subprocess.Popen(  # the third save waits 3 s, the workers idle meanwhile
         [sys.executable, "-c", slow, "2", "tokenize", *common],
         cwd=ROOT,
