@@ -66,7 +66,7 @@ from lwm.attention import (
     dense_attention,
     ring_attention,
 )
-from lwm.attention.layout import zigzag_permutation
+from lwm.attention.layout import ring_block_size, zigzag_permutation
 from lwm.base.mesh import MeshError, use_platform
 
 # The case's shape; on a GPU (``--platform gpu``) main() sets the devices JAX sees, and the
@@ -334,6 +334,15 @@ class Prepared:
     cpu_times: list[float] = field(default_factory=list)
 
 
+def block_used(impl: str, seq: int, block: int) -> int | None:
+    """The block size ``impl`` computes with at ``seq`` for a given ``--block``: our ring
+    tiles each shard's zigzag halves (`ring_block_size`), one device clamps it to the
+    sequence, the reference package takes it as given, cuDNN and dense have none."""
+    if impl.startswith("ours"):
+        return ring_block_size(seq // DEVICES, block) if DEVICES > 1 else min(block, seq)
+    return block if impl == "ringattention" else None
+
+
 def base_record(case: Case, block: int) -> dict[str, Any]:
     return {
         "bench": "attention",
@@ -346,7 +355,7 @@ def base_record(case: Case, block: int) -> dict[str, Any]:
         "devices": DEVICES,
         "platform": PLATFORM,
         "kernel": {"ours": KERNEL, "ours-cudnn": "cudnn", "ours-cudnn-doc": "cudnn"}.get(case.impl),
-        "block": block,
+        "block": block_used(case.impl, case.seq, block),
     }
 
 
@@ -510,7 +519,7 @@ def check_against_dense(mesh: Mesh, block: int, seq: int, impls: Sequence[str]) 
                     "impl": impl,
                     "mode": mode,
                     "seq": seq,
-                    "block": block,
+                    "block": block_used(impl, seq, block),
                     "dtype": jnp.dtype(DTYPE).name,
                     "max_rel_err_vs_dense": err,
                     "status": "ok" if err < tol else "mismatch",
@@ -583,7 +592,7 @@ def run_efficiency(args: argparse.Namespace) -> None:
                 "seq": seq,
                 "heads": HEADS,
                 "head_dim": HEAD_DIM,
-                "block": args.block,
+                "block": min(args.block, seq),
                 "time_s": round(t, 4),
                 "blockwise_tflops": round(bw_tflops, 5),
                 "matmul_time_s": round(medians["matmul"], 4),

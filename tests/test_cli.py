@@ -277,3 +277,18 @@ def test_every_script_ends_through_the_verbs_error_reporting() -> None:
         text = script.read_text()
         if '__name__ == "__main__"' in text:
             assert f'run_reporting_errors("{script.stem}", main' in text, script.name
+
+
+def test_bench_attention_records_the_block_each_impl_computes_with() -> None:
+    """At 256 tokens over 8 devices our ring tiles each shard's two 16-token zigzag halves, so
+    it computes with blocks of 16 whatever --block asks (the record said 512); dense has
+    none."""
+    result = subprocess.run(
+        [sys.executable, "scripts/bench_attention.py", "--seqs", "256", "--block", "512"]
+        + ["--impls", "ours,dense", "--modes", "fwd", "--repeats", "1", "--heads", "1"]
+        + ["--head-dim", "8"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    blocks = {r["impl"]: r["block"] for r in map(json.loads, result.stdout.splitlines())}
+    assert blocks == {"ours": 16, "dense": None}
