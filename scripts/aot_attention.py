@@ -33,14 +33,13 @@ def main() -> None:
 
     import jax
     import jax.numpy as jnp
-    from jax.experimental import topologies
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     from lwm.attention import ring_attention
-    from lwm.base.mesh import make_mesh
+    from lwm.base.mesh import make_mesh, tpu_topology_devices
 
-    devices = topologies.get_topology_desc(platform="tpu", topology_name=args.topology).devices
+    devices = tpu_topology_devices(args.topology)
     mesh = make_mesh(args.mesh, devices=devices)
     x = NamedSharding(mesh, P(None, "sp", None, None))
     shape = (1, args.seq, args.heads, 128)

@@ -43,7 +43,13 @@ def main() -> int:
     args = _parse()
     import jax
 
-    from lwm.base.mesh import MeshError, check_batch_fits, make_mesh, use_cpu_devices
+    from lwm.base.mesh import (
+        MeshError,
+        check_batch_fits,
+        make_mesh,
+        tpu_topology_devices,
+        use_cpu_devices,
+    )
     from lwm.config import ConfigError, load_config
     from lwm.info import memory_per_device
     from lwm.train_step import abstract_batch, abstract_train_state, jit_train_step, make_optimizer
@@ -53,11 +59,7 @@ def main() -> int:
             use_cpu_devices(args.cpu_devices)  # before anything asks JAX for its devices
         cfg = load_config(args.config, args.overrides)
         if args.topology is not None:
-            from jax.experimental import topologies
-
-            devices = topologies.get_topology_desc(
-                platform="tpu", topology_name=args.topology
-            ).devices
+            devices = tpu_topology_devices(args.topology)
         else:
             devices = jax.devices()
         mesh = make_mesh(args.mesh or cfg.mesh.shape, devices=devices)

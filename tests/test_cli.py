@@ -1,5 +1,6 @@
 """The `lwm` command line, run as a user would."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -257,6 +258,14 @@ def test_many_processes_without_a_coordinator_are_refused() -> None:
         ("demo", ["--mesh", "1,1,3"], "--mesh: mesh shape '1,1,3' must have 4 comma-separated"),
         ("text_to_video", ["--vqgan", "/nowhere"], "--vqgan '/nowhere' does not exist"),
         ("long_context", ["--clip-frames", "2"], "--clip-frames 2 is below 3"),
+        pytest.param(
+            "aot_compile",
+            ["configs/tiny.yaml", "--topology", "v4:2x2x1"],
+            "--topology v4:2x2x1: JAX's TPU support (libtpu) is not installed",
+            marks=pytest.mark.skipif(
+                importlib.util.find_spec("libtpu") is not None, reason="libtpu is installed"
+            ),
+        ),
     ],
 )
 def test_a_script_given_bad_input_says_so_in_one_line(script, args, message) -> None:

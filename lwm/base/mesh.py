@@ -20,6 +20,7 @@ __all__ = [
     "parse_mesh_shape",
     "shard_bytes",
     "shard_shape",
+    "tpu_topology_devices",
     "use_cpu_devices",
     "use_platform",
 ]
@@ -105,6 +106,21 @@ def use_platform(platform: str, cpu_devices: int = 8) -> None:
             f"--platform gpu: JAX has already started on {started}; the platform must be set "
             "before it starts"
         )
+
+
+def tpu_topology_devices(topology: str) -> list:
+    """The devices of a TPU slice of ``topology`` (``v5p:8x8x4``) to compile for without it,
+    as `scripts/aot_compile.py` does: a `MeshError` naming ``--topology`` where JAX cannot
+    describe it (no libtpu installed, or a name libtpu does not know)."""
+    from jax.experimental import topologies
+
+    try:
+        return list(topologies.get_topology_desc(platform="tpu", topology_name=topology).devices)
+    except RuntimeError as e:
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if "not installed" in why:
+            why = "JAX's TPU support (libtpu) is not installed: pip install -e '.[aot]'"
+        raise MeshError(f"--topology {topology}: {why}") from None
 
 
 def parse_mesh_shape(spec: str | Sequence[int], num_devices: int) -> tuple[int, int, int, int]:
