@@ -25,8 +25,13 @@ import time
 
 def _parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("config")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    p.add_argument("config", help="a training config (YAML), e.g. configs/7b_1m.yaml")
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="config overrides, as for lwm train (model.max_seq_len=65536)",
+    )
     p.add_argument(
         "--seq", type=int, default=None, help="tokens per sequence (default: max_seq_len)"
     )

@@ -96,10 +96,16 @@ def bench(cfg, sp: int, length: int, chunk: int, steps: int, plan_only: bool = F
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default="configs/tiny.yaml")
-    p.add_argument("--lengths", default="1024,4096,16384")
+    p.add_argument(
+        "--config", default="configs/tiny.yaml", help="model config (default configs/tiny.yaml)"
+    )
+    p.add_argument(
+        "--lengths",
+        default="1024,4096,16384",
+        help="comma-separated context lengths in tokens (default 1024,4096,16384)",
+    )
     p.add_argument("--sp", default="1,4", help="sp device counts (each length runs on each)")
-    p.add_argument("--chunk", type=int, default=1024)
+    p.add_argument("--chunk", type=int, default=1024, help="prefill chunk in tokens (default 1024)")
     p.add_argument("--decode", type=int, default=32, help="decode steps timed")
     p.add_argument(
         "--plan-only",

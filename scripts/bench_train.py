@@ -271,7 +271,12 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3, help="timed steps (the best is reported)")
     p.add_argument("--dataset", help="read every step's batch from this token dataset")
     p.add_argument("--read-threads", type=int, default=2, help="grain threads (0: no grain)")
-    p.add_argument("--platform", choices=("cpu", "gpu"), default="cpu")
+    p.add_argument(
+        "--platform",
+        choices=("cpu", "gpu"),
+        default="cpu",
+        help="cpu: simulated CPU devices (default); gpu: the NVIDIA GPUs JAX sees",
+    )
     p.add_argument(
         "--kernels",
         default="xla",

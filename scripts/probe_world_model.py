@@ -41,7 +41,7 @@ from lwm.commands import fraction_range  # noqa: E402
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     """``--run``, ``--vqgan`` and ``--tokenizer``: what a probe of a trained run loads."""
     p.add_argument("--run", required=True, help="an lwm train run (its newest checkpoint)")
-    p.add_argument("--vqgan", required=True)
+    p.add_argument("--vqgan", required=True, help="the run's VQGAN folder (what its dataset used)")
     p.add_argument(
         "--tokenizer",
         required=True,
@@ -65,11 +65,18 @@ def load_run_inputs(args: argparse.Namespace):
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_run_arguments(p)
-    p.add_argument("--videos", type=int, default=600)
-    p.add_argument("--frames", type=int, default=4)
+    p.add_argument(
+        "--videos", type=int, default=600, help="videos rendered and probed, 80%% fit (default 600)"
+    )
+    p.add_argument("--frames", type=int, default=4, help="frames per video (default 4)")
     p.add_argument("--seed", type=int, default=5, help="a seed no run trained on")
     w = DEMO_WORLD  # the default: the demo's world
-    p.add_argument("--max-objects", type=int, default=w["max_objects"])
+    p.add_argument(
+        "--max-objects",
+        type=int,
+        default=w["max_objects"],
+        help="objects per video at most, as in lwm synthetic (default: the demo's)",
+    )
     p.add_argument(
         "--radius",
         type=fraction_range,

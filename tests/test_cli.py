@@ -301,3 +301,19 @@ def test_bench_attention_records_the_block_each_impl_computes_with() -> None:
     assert result.returncode == 0, result.stderr
     blocks = {r["impl"]: r["block"] for r in map(json.loads, result.stdout.splitlines())}
     assert blocks == {"ours": 16, "dense": None}
+
+
+def test_every_option_of_the_verbs_and_scripts_has_help() -> None:
+    """`--help` of each `lwm` verb and script explains every option and argument (several
+    scripts listed some bare)."""
+    import ast
+
+    bare = []
+    for path in sorted([*ROOT.glob("scripts/*.py"), *ROOT.glob("lwm/**/*.py")]):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument":
+                kinds = {k.arg: getattr(k.value, "value", None) for k in node.keywords}
+                if "help" not in kinds and kinds.get("action") not in ("help", "version"):
+                    names = [a.value for a in node.args if isinstance(a, ast.Constant)]
+                    bare.append(f"{path.relative_to(ROOT)}:{node.lineno} {names}")
+    assert not bare, bare
