@@ -41,6 +41,20 @@ from lwm.commands import fraction_range  # noqa: E402
 MIN_FRAMES = 3  # data.synthetic.sample_video's shortest video
 
 
+def check_probe_sizes(videos: int, frames: int, max_objects: int) -> None:
+    """A `ValueError` naming the option unless the probe has videos to fit and to score (a
+    single video left the fitting half empty), videos of at least `MIN_FRAMES` frames, and
+    objects in them."""
+    if videos < 2:
+        raise ValueError(
+            f"--videos {videos} is below 2: the probe fits on some and scores the rest"
+        )
+    if frames < MIN_FRAMES:
+        raise ValueError(f"--frames {frames} is below {MIN_FRAMES}, the shortest video")
+    if max_objects < 1:
+        raise ValueError(f"--max-objects {max_objects} is below 1: the probe reads objects")
+
+
 def _softmax_regression(x, y, classes, steps=500, lr=2.0, l2=1e-4):
     w = np.zeros((x.shape[1], classes))
     b = np.zeros(classes)
@@ -73,8 +87,7 @@ def main() -> int:
     p.add_argument("--mlp", action="store_true", help="also the learned-embedding probe")
     p.add_argument("--mlp-steps", type=int, default=2000, help="training steps of --mlp")
     args = p.parse_args()
-    if args.frames < MIN_FRAMES:
-        raise ValueError(f"--frames {args.frames} is below {MIN_FRAMES}, the shortest video")
+    check_probe_sizes(args.videos, args.frames, args.max_objects)
     world = {"max_objects": args.max_objects}
     if args.radius:
         world["radius"] = args.radius

@@ -34,6 +34,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from probe_vqgan import check_probe_sizes  # noqa: E402
+
 from data.synthetic import DEMO_WORLD  # noqa: E402
 from lwm.commands import fraction_range  # noqa: E402
 
@@ -90,6 +92,7 @@ def main() -> int:
         help="LO,HI as in lwm synthetic",
     )
     args = p.parse_args()
+    check_probe_sizes(args.videos, args.frames, args.max_objects)
 
     import jax
     import jax.numpy as jnp

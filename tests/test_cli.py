@@ -255,6 +255,12 @@ def test_many_processes_without_a_coordinator_are_refused() -> None:
         ("bench_attention", ["--seqs", "500"], "sequence length 500 is not a positive multiple"),
         ("build_text_tokenizer", ["--vocab-size", "0"], "--vocab-size 0 is below 261"),
         ("probe_vqgan", ["--vqgan", "x", "--frames", "2"], "--frames 2 is below 3"),
+        ("probe_vqgan", ["--vqgan", "x", "--videos", "1"], "--videos 1 is below 2: the probe"),
+        (
+            "probe_world_model",
+            [*["--run", "r", "--vqgan", "v", "--tokenizer", "t"], "--frames", "1"],
+            "--frames 1 is below 3",
+        ),
         ("demo", ["--mesh", "1,1,3"], "--mesh: mesh shape '1,1,3' must have 4 comma-separated"),
         ("text_to_video", ["--vqgan", "/nowhere"], "--vqgan '/nowhere' does not exist"),
         ("long_context", ["--clip-frames", "2"], "--clip-frames 2 is below 3"),
