@@ -253,7 +253,8 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
     # batch and its rows' order
     pending: list[tuple[int, dict, float, str | None]] = []
     last_good_save = resumed[0] if resumed is not None else None
-    window = {"t": time.perf_counter(), "steps": 0, "wait": 0.0, "checked": 0, "rows": []}
+    # the steps fetched since the last logged line: their time, data waits and rows' orders
+    window = {"t": time.perf_counter(), "wait": 0.0, "checked": 0, "rows": []}
 
     def check(upto: int) -> None:
         """Fetch metrics of dispatched steps <= upto; stop on a non-finite loss; log."""
@@ -283,12 +284,14 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
                 bar.set_postfix(loss=f"{host['loss']:.4f}")
             if step % tc.log_every == 0 or step == tc.steps:
                 now = time.perf_counter()
-                dt = (now - window["t"]) / max(window["steps"], 1)
+                # over the steps fetched since the line before (not those dispatched: one more
+                # than that when the line before was logged while its next step ran)
+                dt = (now - window["t"]) / max(window["checked"], 1)
                 wait = window["wait"] / max(window["checked"], 1)  # of the steps logged
                 if on_host:  # the share of the steps logged whose rows had each order
                     seen = window["rows"]
                     host.update({f"rows_{o}": seen.count(o) / len(seen) for o in orders})
-                window.update(t=now, steps=0, wait=0.0, checked=0, rows=[])
+                window.update(t=now, wait=0.0, checked=0, rows=[])
                 host.update(
                     learning_rate=float(schedule(step - 1)),
                     step_time_s=dt,
@@ -326,7 +329,6 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
             waited = time.perf_counter() - t_data
             params, opt_state, metrics = step_for(rows, reach)(params, opt_state, batch)
             pending.append((step, metrics, waited, rows))
-            window["steps"] += 1
             check(step - 1)  # the previous step, so this one keeps running meanwhile
             if bar is not None:
                 bar.update(1)
@@ -339,6 +341,7 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
                 last_good_save = step
             if evaluator is not None and (step % cfg.eval.every == 0 or step == tc.steps):
                 check(step)
+                t_eval = time.perf_counter()
                 scores = evaluator(params, step)
                 writer.write(step, scores, split="eval")
                 log(
@@ -355,7 +358,7 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
                     )
                     + f" ({scores['eval_seconds']:.0f} s)"
                 )
-                window.update(t=time.perf_counter(), steps=0)
+                window["t"] += time.perf_counter() - t_eval  # the evaluation is no step's time
             if stop["signal"] is not None:
                 stopped_by = stop["signal"]
                 log(

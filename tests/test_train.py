@@ -131,6 +131,39 @@ def test_loss_falls_with_ring_attention_on_two_meshes(reference, tmp_path):
     assert (tmp_path / "tensorboard").is_dir() and (tmp_path / "config.yaml").is_file()
 
 
+def test_step_time_is_the_mean_of_the_steps_each_logged_window_holds(tmp_path, monkeypatch):
+    """`step_time_s` (and so tokens/s and MFU) of a logged line is the time since the line
+    before over the steps between them, whether the line is logged while the next step runs
+    or at a checkpoint (a save step, the last step). A fake clock advances one second as each
+    step's metrics arrive, so every window after the first (which holds the compile) is 1 s a
+    step; counting the steps dispatched instead made it 4/3 s at a save, 4/5 s after it and
+    2 s at the last step."""
+    from types import SimpleNamespace
+
+    import jax
+
+    import lwm.train as lt
+
+    clock = [0.0]
+    real_get = jax.device_get
+
+    def device_get(x):
+        if isinstance(x, dict) and "loss" in x:  # a step's metrics: that step has finished
+            clock[0] += 1.0
+        return real_get(x)
+
+    monkeypatch.setattr(jax, "device_get", device_get)
+    monkeypatch.setattr(lt, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    args = ("train.steps=14", "train.log_every=4", "train.save_every=8", "mesh.shape=1,2,2,2")
+    r = lwm_train_here(tmp_path, *args)
+    assert r.returncode == 0, r.stderr
+    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [4, 8, 12, 14]
+    for r in records[1:]:
+        assert r["step_time_s"] == pytest.approx(1.0), r
+        assert r["tokens_per_s"] == pytest.approx(2 * 64), r
+
+
 def test_each_batch_runs_the_step_compiled_for_its_rows(tmp_path, monkeypatch):
     """With cuDNN attention (its stand-in) `lwm train` checks each batch on the host and runs
     the step compiled for its rows' order (`lwm.model.row_order`): here packed rows (in order)
