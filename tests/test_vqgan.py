@@ -226,6 +226,37 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return root / "full", root / "part"
 
 
+def test_frames_per_s_counts_the_training_steps_only(tmp_path, monkeypatch) -> None:
+    """A fake clock advances 1 s a training step and 100 s a held-out evaluation: every
+    logged window reads batch_size frames/s, the one after an evaluation too (it counted the
+    evaluation's 100 s as training's: 0.08 frames/s for 8)."""
+    from types import SimpleNamespace
+
+    import vqgan.train as vt
+    from data.vqgan_frames import load_frames
+
+    clock = [0.0]
+
+    def ticking(fn, seconds):
+        def run(*args, **kwargs):
+            clock[0] += seconds
+            return fn(*args, **kwargs)
+
+        return run
+
+    make_step, evaluate = vt.make_train_step, vt.evaluate
+    monkeypatch.setattr(vt, "make_train_step", lambda cfg: ticking(make_step(cfg), 1.0))
+    monkeypatch.setattr(vt, "evaluate", ticking(evaluate, 100.0))
+    monkeypatch.setattr(vt, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    overrides = ["train.steps=4", "loss.disc_start=0", "train.progress=false"]
+    overrides += ["train.eval_every=2", "train.save_every=100", "mesh.shape=1,-1,1,1"]
+    cfg = load_vqgan_config(TINY, [*overrides, f"train.output_dir={tmp_path}"])
+    train(cfg, mesh=make_mesh(cfg.mesh.shape), source=load_frames(cfg))
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    rates = [r["frames_per_s"] for r in map(json.loads, lines) if "frames_per_s" in r]
+    assert rates == [pytest.approx(cfg.train.batch_size)] * 4
+
+
 def test_resume_equals_uninterrupted(trained: tuple[Path, Path]) -> None:
     from safetensors.numpy import load_file
 

@@ -354,6 +354,7 @@ def train(
             logger.write(done, row, "train")
             bar.set_postfix(loss=f"{row['loss']:.4f}", used=f"{row['codebook_used']:.2f}")
         if done % t.eval_every == 0 or done == t.steps:
+            t_eval = time.perf_counter()
             metrics, recon = evaluate(state.model, eval_frames, t.batch_size, mesh)
             logger.write(done, metrics, "eval")
             write_png(
@@ -364,6 +365,7 @@ def train(
                 f"step {done}: held-out PSNR {metrics['psnr']:.2f} dB, codebook used "
                 f"{metrics['codebook_used']:.1%}, perplexity {metrics['perplexity']:.1f}"
             )
+            tick += time.perf_counter() - t_eval  # frames/s counts the training steps only
         if done % t.save_every == 0 or done == t.steps or done == stop_at:
             ckpt.save(done, *state.checkpoint_trees())
         if done == stop_at:
