@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from data.tokens import TextCodec, qa_prompt, qa_prompt_streams
+from lwm.base.metrics import percent
 
 __all__ = [
     "CITIES",
@@ -433,7 +434,7 @@ class NeedleReport:
         head = f"{'depth':>6} | " + " ".join(f"{n:>8}" for n in lengths) + f"   ({unit})"
         lines = [head, "-" * len(head)]
         for d, row in zip(depths, acc, strict=True):
-            cells = " ".join("       -" if np.isnan(v) else f"{100 * v:7.0f}%" for v in row)
+            cells = " ".join("       -" if np.isnan(v) else f"{percent(v):7}%" for v in row)
             lines.append(f"{100 * d:5.0f}% | {cells}")
         return "\n".join(lines)
 
@@ -467,7 +468,7 @@ def side_by_side(path: str | Path, panels: Sequence[tuple[NeedleReport, str]]) -
         for i in range(len(depths)):
             for j in range(len(lengths)):
                 if not np.isnan(acc[i, j]):
-                    ax.text(j, i, f"{100 * acc[i, j]:.0f}", ha="center", va="center", fontsize=8)
+                    ax.text(j, i, f"{percent(acc[i, j])}", ha="center", va="center", fontsize=8)
         ax.set_xticks(range(len(lengths)), [str(n) for n in lengths], rotation=45)
         ax.set_yticks(range(len(depths)), [f"{100 * d:.0f}%" for d in depths])
         ax.set_xlabel("frames" if report.kind == "video" else "context length (tokens)")

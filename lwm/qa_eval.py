@@ -33,6 +33,7 @@ from typing import Any
 
 from data.manifest import read_inputs
 from lwm.base.files import write_jsonl
+from lwm.base.metrics import percent
 
 __all__ = [
     "Answer",
@@ -175,7 +176,7 @@ class QAReport:
             cells = []
             for c in self.conditions:
                 a, n = scores[c].get(cat, (0, 0))
-                cells.append(f"{a:>4}/{n:<4} {100 * a / n if n else 0:>3.0f}%")
+                cells.append(f"{a:>4}/{n:<4} {percent(a / n) if n else 0:>3}%")
             lines.append(f"{cat:<{width}}  " + "  ".join(f"{x:>14}" for x in cells))
         if self.blind_source is not None:
             lines.append(f"blind: most frequent answer per question in {self.blind_source}")

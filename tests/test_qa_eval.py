@@ -257,3 +257,18 @@ def test_plot_run_draws_loss_and_accuracy_per_category(tmp_path):
         f"plot_run: error: '{tmp_path / 'nothing' / 'metrics.jsonl'}' not found "
         f"(is '{tmp_path / 'nothing'}' an lwm train run?)"
     )
+
+
+def test_percentages_round_halves_up() -> None:
+    """The tables' percentages: 5 of 40 and 11 of 40 are 13% and 28% (Python's rounding of
+    halves to even printed 12% and 28%), 57 of 200 is 29% (its float is 28.4999...)."""
+    from lwm.base.metrics import percent
+
+    cases = [(5, 40), (11, 40), (57, 200), (1, 8), (0, 3), (2, 3), (3, 3)]
+    assert [percent(a / n) for a, n in cases] == [13, 28, 29, 13, 0, 67, 100]
+    records = [
+        {"condition": "model", "category": "colour", "correct": i < 5, "cut": False}
+        for i in range(40)
+    ]
+    report = QAReport(conditions=("model",), records=records)
+    assert report.table().splitlines()[2].split()[1:] == ["5/40", "13%"]

@@ -10,9 +10,16 @@ resumed run continues the file) and the same scalars in TensorBoard, under ``SPL
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
-__all__ = ["MetricsWriter"]
+__all__ = ["MetricsWriter", "percent"]
+
+
+def percent(fraction: float) -> int:
+    """``fraction`` as a whole percentage, halves rounded up (5 of 40 is 13%, as 11 of 40 is
+    28%; Python's own rounding takes halves to the even neighbour, 12% and 28%)."""
+    return math.floor(round(100 * fraction, 9) + 0.5)  # 57 / 200 * 100 is 28.4999...
 
 
 class MetricsWriter:
