@@ -154,7 +154,7 @@ class DataConfig(BaseModel):
     manifest: str | None = None  # for source=manifest: a manifest.jsonl (data/synthetic.py)
     eval_fraction: Annotated[float, Field(gt=0, lt=1)] = 0.1  # manifest: held-out videos
     videos: PositiveInt = 200  # synthetic: training videos
-    eval_videos: PositiveInt = 32  # synthetic: held-out videos (a different seed)
+    eval_videos: PositiveInt = 32  # synthetic: held-out videos (same seed, after the training ones)
     frame_size: PositiveInt | None = None  # synthetic: rendered size (None: model.resolution)
     num_frames: PositiveInt = 16
     needle_prob: Annotated[float, Field(ge=0, le=1)] = 0.5

@@ -86,11 +86,17 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         default=1.0,
         help="sample from the likeliest tokens whose probabilities sum to this (default 1: all)",
     )
-    p.add_argument("--batch-size", type=positive_int, default=32, help="prompts per generate call")
+    p.add_argument(
+        "--batch-size",
+        type=positive_int,
+        default=32,
+        help="prompts per generate call (default 32; lwm chat has one conversation and ignores it)",
+    )
     p.add_argument(
         "--prefill-chunk",
         type=positive_int,
-        help="prefill prompts in chunks of N tokens (bounds memory by the cache, not the prompt)",
+        help="prefill prompts in chunks of N tokens (bounds memory by the cache, not the prompt; "
+        "default: the whole prompt at once, 512 in lwm chat)",
     )
 
 
@@ -143,14 +149,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[0.0, 0.25, 0.5, 0.75, 1.0],
         help="needle depths in [0, 1] (default 0,0.25,0.5,0.75,1)",
     )
-    p.add_argument("--samples", type=positive_int, default=1, help="cases per cell")
-    p.add_argument("--needles", type=positive_int, default=4, help="multi: needles inserted")
-    p.add_argument("--asked", type=positive_int, default=2, help="multi: needles asked")
+    p.add_argument("--samples", type=positive_int, default=1, help="cases per cell (default 1)")
+    p.add_argument(
+        "--needles", type=positive_int, default=4, help="multi: needles inserted (default 4)"
+    )
+    p.add_argument("--asked", type=positive_int, default=2, help="multi: needles asked (default 2)")
     p.add_argument("--haystack", help="text file of the haystack (default: lwm/haystack.txt)")
     p.add_argument(
-        "--clip-frames", type=positive_int, default=4, help="video: frames per clip (at least 3)"
+        "--clip-frames",
+        type=positive_int,
+        default=4,
+        help="video: frames per clip (at least 3; default 4)",
     )
-    p.add_argument("--needle-frames", type=positive_int, default=1, help="video: needle frames")
+    p.add_argument(
+        "--needle-frames", type=positive_int, default=1, help="video: needle frames (default 1)"
+    )
     p.add_argument(
         "--max-objects",
         type=positive_int,

@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", required=True, help="the caption of the video to make")
     parser.add_argument("--frames", type=positive_int, default=4, help="frames (default 4)")
     parser.add_argument("--out", required=True, help="the .mp4 (or, for one frame, .png) to write")
-    parser.add_argument("--samples", type=positive_int, default=1, help="clips to make")
+    parser.add_argument("--samples", type=positive_int, default=1, help="clips to make (default 1)")
     parser.add_argument(
         "--cfg-scale",
         type=positive_float,
@@ -51,7 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="sample from the k likeliest codes (0, or more than there are: from all)",
     )
     parser.add_argument("--seed", type=int, default=0, help="draws the sampled codes (default 0)")
-    parser.add_argument("--fps", type=positive_int, default=8, help="frame rate of the MP4")
+    parser.add_argument(
+        "--fps", type=positive_int, default=8, help="frame rate of the MP4 (default 8)"
+    )
 
 
 def _log(msg: str) -> None:

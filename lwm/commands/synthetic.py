@@ -38,35 +38,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from data.synthetic import CATEGORIES, QA_LAYOUTS, RADIUS, TRAVEL
 
     parser.add_argument("--out", required=True, help="output folder")
-    parser.add_argument("--count", type=positive_int, default=100, help="number of videos")
     parser.add_argument(
-        "--seed", type=int, default=0, help="draws every video (another seed, other videos)"
+        "--count", type=positive_int, default=100, help="number of videos (default 100)"
     )
     parser.add_argument(
-        "--size", type=even_positive_int, default=64, help="frame height and width (even)"
+        "--seed",
+        type=int,
+        default=0,
+        help="draws every video (another seed, other videos; default 0)",
     )
-    parser.add_argument("--frames", type=positive_int, default=16, help="frames per video")
-    parser.add_argument("--fps", type=positive_int, default=8, help="frames per second")
+    parser.add_argument(
+        "--size",
+        type=even_positive_int,
+        default=64,
+        help="frame height and width (even, at least 16; default 64)",
+    )
+    parser.add_argument(
+        "--frames", type=positive_int, default=16, help="frames per video (at least 3; default 16)"
+    )
+    parser.add_argument("--fps", type=positive_int, default=8, help="frames per second (default 8)")
     parser.add_argument(
         "--needle-prob",
         type=fraction,
         default=0.5,
-        help="share of the videos with a needle: a shape in a colour no other has, in one frame",
+        help="share of the videos with a needle: a shape in a colour no other has, in one frame "
+        "(default 0.5)",
     )
     parser.add_argument(
-        "--max-objects", type=positive_int, default=3, help="moving shapes per video, at most"
+        "--max-objects",
+        type=positive_int,
+        default=3,
+        help="moving shapes per video, at most (default 3)",
     )
     parser.add_argument(
         "--radius",
         type=fraction_range,
         default=RADIUS,
-        help="LO,HI: shape radius as a fraction of --size",
+        help=f"LO,HI: shape radius as a fraction of --size (default {RADIUS[0]},{RADIUS[1]})",
     )
     parser.add_argument(
         "--travel",
         type=fraction_range,
         default=TRAVEL,
-        help="LO,HI: distance moved, fraction of --size",
+        help=f"LO,HI: distance moved, fraction of --size (default {TRAVEL[0]},{TRAVEL[1]})",
     )
     parser.add_argument(
         "--no-captions", action="store_true", help="only QA lines in the manifest, no captions"

@@ -1,9 +1,12 @@
 """Train the model: sharded over the config's mesh, with orbax checkpoints and exact resume.
 
-  lwm train --config configs/tiny.yaml train.steps=200 mesh.shape=1,2,2,2
-  lwm train --config configs/7b_128k.yaml train.init_from=run:runs/7b_32k
+  lwm train --config configs/tiny.yaml train.steps=200 mesh.shape=1,2,2,2 --cpu-devices 8
+  lwm train --config configs/7b_128k.yaml train.init_from=run:runs/7b_32k \\
+      train.output_dir=runs/7b_128k
 
-Rerun the same command to resume from the newest checkpoint in train.output_dir. SIGTERM or
+Rerun the same command to resume from the newest checkpoint in train.output_dir (default
+runs/default, whatever the config; a folder that already holds a run is resumed, and
+train.init_from then does not apply: give each stage its own train.output_dir). SIGTERM or
 Ctrl-C saves a checkpoint first (exit 143 or 130). Metrics: OUTPUT/metrics.jsonl and
 OUTPUT/tensorboard. A config that does not fit its dataset or the run in train.output_dir is
 refused before the first step (exit 2); a run that fails (a NaN loss) exits 1.
