@@ -421,7 +421,8 @@ def _check_same_model(output: Path, model_cfg, tc) -> Config | None:
 
 def _log_changes(found: Config, cfg: Config, start: int, output: Path, schedule, log) -> None:
     """Say which settings a resume changes from the run's ``config.yaml`` (which then holds
-    the new ones: the old file is kept as ``config.until-START.yaml``), and where a new
+    the new ones: the old file is kept as ``config.until-START.yaml``, unless an earlier resume
+    at the same step kept one), and where a new
     ``train.steps`` moves the learning rate of a decaying schedule (it is spread over the new
     number of steps, so extending a finished cosine run raises it again)."""
     from lwm.base.config import setting_differences
@@ -435,8 +436,11 @@ def _log_changes(found: Config, cfg: Config, start: int, output: Path, schedule,
     ]
     if not changed:
         return
-    if jax.process_index() == 0:
-        (output / f"config.until-{start}.yaml").write_text(config_to_yaml(found))
+    kept = output / f"config.until-{start}.yaml"
+    # One already there was written when the run first resumed at this step: it holds the
+    # settings steps 1..start ran with, and the run since then lost its steps after `start`.
+    if jax.process_index() == 0 and not kept.exists():
+        kept.write_text(config_to_yaml(found))
     log(
         f"resuming with other settings than the run's: {'; '.join(changed)} (its config until "
         f"step {start} kept as config.until-{start}.yaml)"

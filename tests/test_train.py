@@ -448,6 +448,15 @@ def test_a_resume_with_other_settings_says_so_and_keeps_the_old_config(tmp_path)
     ) in r.stderr.splitlines()
     assert (tmp_path / "config.until-4.yaml").read_text() == old_config
     assert "learning_rate: 0.002" in (tmp_path / "config.yaml").read_text()
+    # Steps 5-6 lost (their checkpoint gone, as after a kill -9 or a damaged save): the next
+    # resume starts at step 4 again, and config.until-4.yaml still holds the settings steps
+    # 1-4 ran with, not those of the run whose steps were lost (it overwrote them).
+    shutil.rmtree(tmp_path / "checkpoints" / "6")
+    r = lwm_train_here(tmp_path, "train.steps=6", "train.learning_rate=1e-3", *args)
+    assert r.returncode == 0, r.stderr
+    assert "resumed from checkpoint 4" in r.stderr
+    assert (tmp_path / "config.until-4.yaml").read_text() == old_config
+    assert "learning_rate: 0.001" in (tmp_path / "config.yaml").read_text()
 
 
 def test_non_finite_loss_stops_naming_the_step(tmp_path):
