@@ -425,22 +425,13 @@ def _log_changes(found: Config, cfg: Config, start: int, output: Path, schedule,
     at the same step kept one), and where a new
     ``train.steps`` moves the learning rate of a decaying schedule (it is spread over the new
     number of steps, so extending a finished cosine run raises it again)."""
-    from lwm.base.config import setting_differences
+    from lwm.base.config import keep_config_before_changes
 
-    changed = [
-        difference
-        for section in ("model", "train", "data", "eval")
-        for difference in setting_differences(
-            getattr(found, section), getattr(cfg, section), section
-        )
-    ]
+    sections = ("model", "train", "data", "eval")
+    first = jax.process_index() == 0
+    changed = keep_config_before_changes(output, found, cfg, sections, start, write=first)
     if not changed:
         return
-    kept = output / f"config.until-{start}.yaml"
-    # One already there was written when the run first resumed at this step: it holds the
-    # settings steps 1..start ran with, and the run since then lost its steps after `start`.
-    if jax.process_index() == 0 and not kept.exists():
-        kept.write_text(config_to_yaml(found))
     log(
         f"resuming with other settings than the run's: {'; '.join(changed)} (its config until "
         f"step {start} kept as config.until-{start}.yaml)"

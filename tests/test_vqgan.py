@@ -30,7 +30,7 @@ from vqgan.quantizer import (
     usage_stats,
 )
 from vqgan.train import step_phase, train
-from vqgan.weights import WeightsError, export_lwm_params, import_lwm_params
+from vqgan.weights import WeightsError, export_lwm_params, import_lwm_params, read_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs" / "vqgan"
@@ -257,6 +257,32 @@ def test_frames_per_s_counts_the_training_steps_only(tmp_path, monkeypatch) -> N
     assert rates == [pytest.approx(cfg.train.batch_size)] * 4
 
 
+def test_a_rerun_names_the_settings_it_changes_and_keeps_the_config_they_replace(
+    trained: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Another learning rate and more steps resume, named in one line, the earlier config kept
+    as config.until-STEP.yaml (they were taken silently, config.yaml rewritten)."""
+    import shutil
+
+    from data.vqgan_frames import load_frames
+
+    run = tmp_path / "run"
+    shutil.copytree(trained[1], run)
+    overrides = ["loss.disc_start=0", "train.progress=false", "train.eval_every=2"]
+    overrides += ["train.save_every=100", "mesh.shape=1,-1,1,1", f"train.output_dir={run}"]
+    before = (run / "config.yaml").read_text()
+    cfg = load_vqgan_config(TINY, [*overrides, "train.steps=4", "train.learning_rate=3e-4"])
+    logged: list[str] = []
+    train(cfg, mesh=make_mesh(cfg.mesh.shape), source=load_frames(cfg), log=logged.append)
+    assert logged[1] == (
+        "resuming with other settings than the run's: train.steps: 3 there, 4 here; "
+        "train.learning_rate: 0.001 there, 0.0003 here (its config until step 3 kept as "
+        "config.until-3.yaml)"
+    )
+    assert (run / "config.until-3.yaml").read_text() == before
+    assert read_config(run).train.learning_rate == 3e-4
+
+
 def test_resume_equals_uninterrupted(trained: tuple[Path, Path]) -> None:
     from safetensors.numpy import load_file
 
@@ -289,6 +315,11 @@ def test_a_rerun_with_another_model_is_refused_and_changes_nothing(
     with pytest.raises(WeightsError, match=r"another VQGAN \(model.hidden_channels: 16 there, 32"):
         train(wider, mesh=make_mesh("1,-1,1,1"), source=None)
     assert (run / "config.yaml").read_text() == before
+    # the discriminator's shape too (orbax's tree mismatch was a line of 2,000 characters)
+    deeper = load_vqgan_config(TINY, ["discriminator.num_layers=3", f"train.output_dir={run}"])
+    with pytest.raises(WeightsError, match=r"\(discriminator.num_layers: 2 there, 3 here\)"):
+        train(deeper, mesh=make_mesh("1,-1,1,1"), source=None)
+    assert (run / "config.yaml").read_text() == before and not list(run.glob("config.until-*"))
     # the compute dtype alone may change (the same weights, in another precision)
     from vqgan.train import _check_same_model
 

@@ -28,6 +28,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from lwm.base.config import keep_config_before_changes
 from lwm.base.media import write_png
 from lwm.base.mesh import BATCH_AXES, MeshError, batch_devices
 from lwm.base.metrics import MetricsWriter
@@ -256,22 +257,32 @@ def _grid(originals: np.ndarray, recon: np.ndarray, min_size: int = 128) -> np.n
     return np.repeat(np.repeat(grid, scale, axis=0), scale, axis=1)
 
 
-def _check_same_model(out: Path, cfg: VQGANConfig) -> None:
+# What a resume may change, named when it does: all but the model's shape (refused) and the mesh.
+RESUME_SECTIONS = ("model", "quantizer", "loss", "discriminator", "train", "data", "seed")
+
+
+def _check_same_model(out: Path, cfg: VQGANConfig) -> VQGANConfig | None:
     """Refuse to resume a run of another VQGAN in ``out`` (its config.yaml and checkpoints):
     its checkpoints would not restore, or would compute another function, and its config.yaml
     would be overwritten. The compute dtype (``model.dtype``) alone may change: the same
-    weights, computed in another precision."""
+    weights, computed in another precision. Returns the run's config (None: no run there)."""
     from lwm.base.config import resumable_config, setting_differences
 
     found = resumable_config(out, VQGANConfig)
     if found is None:
-        return
+        return None
     changed = setting_differences(found.model, cfg.model, "model", lambda k: k != "dtype")
+    # the discriminator's shape too: its weights are in the checkpoints (its rate may change)
+    changed += setting_differences(
+        found.discriminator, cfg.discriminator, "discriminator", lambda k: k != "learning_rate"
+    )
     if changed:
         raise WeightsError(
             f"train.output_dir '{out}' holds a run of another VQGAN ({'; '.join(changed)}); "
-            "resume it with its own model settings, or choose another train.output_dir"
+            "resume it with its own model and discriminator settings, or choose another "
+            "train.output_dir"
         )
+    return found
 
 
 def train(
@@ -296,7 +307,7 @@ def train(
     log = log or (lambda msg: print(f"lwm vqgan: {msg}", file=sys.stderr, flush=True))
     t = cfg.train
     out = Path(t.output_dir)
-    _check_same_model(out, cfg)
+    saved = _check_same_model(out, cfg)
     data = batch_devices(mesh)
     if t.batch_size % data:
         raise MeshError(
@@ -320,6 +331,13 @@ def train(
         ckpt.close()
         return finished
     if start < t.steps:  # the settings the steps to come run with
+        if saved is not None and start > 0:
+            changed = keep_config_before_changes(out, saved, cfg, RESUME_SECTIONS, start)
+            if changed:
+                log(
+                    f"resuming with other settings than the run's: {'; '.join(changed)} (its "
+                    f"config until step {start} kept as config.until-{start}.yaml)"
+                )
         write_config(out, cfg)
     step_fn = make_train_step(cfg)
     batch_sharding = NamedSharding(mesh, BATCH)

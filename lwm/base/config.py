@@ -148,6 +148,36 @@ def setting_differences(found: BaseModel, wanted: BaseModel, section: str, keep=
     ]
 
 
+def keep_config_before_changes(
+    output: Path,
+    found: BaseModel,
+    wanted: BaseModel,
+    sections: Sequence[str],
+    start: int,
+    write: bool = True,
+    ignore: Sequence[str] = ("train.output_dir",),
+) -> list[str]:
+    """The settings of ``sections`` (fields of the root config: sections, or single values)
+    that a run resumed at step ``start`` changes from its saved config ``found``, worded as
+    `setting_differences` words them. Where there are any, ``found`` is kept as
+    ``OUTPUT/config.until-START.yaml`` before the caller rewrites ``config.yaml``, unless an
+    earlier resume at the same step kept one: that one holds the settings steps 1..START ran
+    with (the run since lost its later steps). ``write``: False on all processes but one.
+    ``ignore``: settings not named (by default where the run is: a run's folder may move)."""
+    changed = []
+    for name in sections:
+        there, here = getattr(found, name), getattr(wanted, name)
+        if isinstance(there, BaseModel):
+            named = lambda k, section=name: f"{section}.{k}" not in ignore  # noqa: E731
+            changed += setting_differences(there, here, name, named)
+        elif there != here:
+            changed.append(f"{name}: {there} there, {here} here")
+    kept = Path(output) / f"config.until-{start}.yaml"
+    if changed and write and not kept.exists():
+        kept.write_text(config_to_yaml(found))
+    return changed
+
+
 def config_to_yaml(config: BaseModel) -> str:
     """The resolved config as YAML, in field order."""
     return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
