@@ -83,6 +83,25 @@ def tight_rows(tokens: Path, mesh: str, row: int = 1024) -> list[str]:
     return [f"train.seq_len={seq_len}", f"model.block_q={block}", f"model.block_k={block}"]
 
 
+def check_same_data(path: Path, wanted: dict[str, object], made: bool) -> None:
+    """Refuse (`ValueError`) a rerun that asks for other videos than ``path`` says the folder
+    holds; record them there where the videos are still to be made (``made`` False). A folder
+    of an older demo, without the record, is not checked."""
+    if path.is_file():
+        found = json.loads(path.read_text())
+        other = [
+            f"{k} {found.get(k)} there, {v} here" for k, v in wanted.items() if found.get(k) != v
+        ]
+        if other:
+            raise ValueError(
+                f"--out {path.parent} holds the videos and tokens of other settings "
+                f"({'; '.join(other)}): rerun with those, or give another --out"
+            )
+    elif not made:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(wanted, indent=1) + "\n")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="runs/demo", help="folder of every step's output")
@@ -174,6 +193,14 @@ def main() -> int:
 
     records = {"chained": "video", "mixed-alone": "alone"}.get(args.qa_turns, "isolated")
     qa_turns = "mixed" if args.qa_turns == "mixed-alone" else args.qa_turns
+    # The videos and token datasets under --out are reused as they are: a rerun must ask for
+    # the same ones (it went on with the old ones without a word).
+    check_same_data(
+        out / "data.json",
+        {"--videos": args.videos, "--held-out": args.held_out, "--frames": args.frames}
+        | {"--qa-records (of --qa-turns)": records},
+        made=train_videos.is_file(),
+    )
 
     def videos(manifest: Path, count: int, seed: int, *extra: str) -> None:
         """`lwm synthetic` into ``manifest``'s folder (skipped when it is there)."""

@@ -323,3 +323,22 @@ def test_every_option_of_the_verbs_and_scripts_has_help() -> None:
                     names = [a.value for a in node.args if isinstance(a, ast.Constant)]
                     bare.append(f"{path.relative_to(ROOT)}:{node.lineno} {names}")
     assert not bare, bare
+
+
+def test_the_demo_rerun_with_other_videos_into_its_folder_is_refused(tmp_path) -> None:
+    """The demo reuses the videos and tokens under --out: a rerun asking for others is one
+    line naming them, exit 2 (it went on with the old ones without a word)."""
+    demo = [sys.executable, "scripts/demo.py", "--out", str(tmp_path), "--videos-only"]
+    first = subprocess.run(
+        [*demo, "--videos", "2", "--held-out", "2", "--frames", "3"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert first.returncode == 0, first.stderr
+    again = subprocess.run(
+        [*demo, "--videos", "3", "--held-out", "2", "--frames", "3"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert again.returncode == 2 and again.stderr.strip() == (
+        f"demo: error: --out {tmp_path} holds the videos and tokens of other settings "
+        "(--videos 2 there, 3 here): rerun with those, or give another --out"
+    )
