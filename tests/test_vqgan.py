@@ -689,3 +689,35 @@ def test_cli_import_and_refusal(tmp_path: Path) -> None:
         "into a new folder\n"
     )
     assert (out / "model.safetensors").read_bytes() == weights
+
+
+def test_ctrl_c_saves_a_checkpoint_and_exits_130(tmp_path: Path) -> None:
+    """`lwm vqgan train` stopped by SIGINT saves the step it finished and exits 130 with one
+    line saying so, as `lwm train` does (it exited 130 without saving: a rerun went back to
+    the last `train.save_every` checkpoint)."""
+    import signal
+    import time
+
+    from conftest import subprocess_xla_flags
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "lwm", "vqgan", "train", "--cpu-devices", "2"]
+    cmd += ["--config", str(TINY), f"train.output_dir={out}", "train.steps=1000"]
+    cmd += ["train.progress=false", "train.eval_every=1000", "mesh.shape=1,-1,1,1"]
+    env = dict(os.environ, XLA_FLAGS=subprocess_xla_flags())
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    metrics, deadline = out / "metrics.jsonl", time.time() + 240
+    while not (metrics.is_file() and metrics.read_text().count("\n") >= 2):
+        assert proc.poll() is None, proc.stderr.read()
+        assert time.time() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    step = int(err.strip().splitlines()[-1].split(" at step ")[1].split(":")[0])
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == (
+        f"lwm vqgan: SIGINT at step {step}: saved checkpoint {step}; rerun to resume"
+    )
+    assert 2 <= step < 1000 and (out / "checkpoints" / str(step)).is_dir()
+    assert not (out / "model.safetensors").exists()

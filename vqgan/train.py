@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -48,7 +49,25 @@ from vqgan.preprocess import postprocess
 from vqgan.quantizer import code_counts, restart_dead_codes, update_usage, usage_stats
 from vqgan.weights import WeightsError, save_weights, write_config
 
-__all__ = ["TrainState", "create_state", "evaluate", "make_train_step", "step_phase", "train"]
+__all__ = [
+    "TrainingStopped",
+    "TrainState",
+    "create_state",
+    "evaluate",
+    "make_train_step",
+    "step_phase",
+    "train",
+]
+
+
+class TrainingStopped(Exception):  # noqa: N818 (not an error: what the user asked)
+    """`train` was stopped by ``signal`` (SIGINT, SIGTERM) after saving a checkpoint at
+    ``step``: a rerun resumes there."""
+
+    def __init__(self, signal: str, step: int):
+        super().__init__(f"{signal} at step {step}")
+        self.signal, self.step = signal, step
+
 
 BATCH = P(BATCH_AXES)
 
@@ -348,49 +367,65 @@ def train(
         range(start, t.steps), initial=start, total=t.steps, disable=not t.progress, unit="step"
     )
     tick, tick_step = time.perf_counter(), start
-    for step in bar:
-        frames = jax.device_put(source.batch(step, t.batch_size), batch_sharding)
-        use_adv, do_restart = step_phase(cfg, step)
-        key = jax.random.fold_in(base_key, step)
-        state.usage, step_metrics = step_fn(
-            state.model,
-            state.disc,
-            state.opt,
-            state.disc_opt,
-            state.usage,
-            frames,
-            key,
-            use_adv=use_adv,
-            do_restart=jnp.asarray(do_restart),
-        )
-        done = step + 1
-        if done % t.log_every == 0 or done == t.steps or do_restart:
-            now = time.perf_counter()
-            row = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
-            row["frames_per_s"] = (done - tick_step) * t.batch_size / max(now - tick, 1e-9)
-            tick, tick_step = now, done
-            logger.write(done, row, "train")
-            bar.set_postfix(loss=f"{row['loss']:.4f}", used=f"{row['codebook_used']:.2f}")
-        if done % t.eval_every == 0 or done == t.steps:
-            t_eval = time.perf_counter()
-            metrics, recon = evaluate(state.model, eval_frames, t.batch_size, mesh)
-            logger.write(done, metrics, "eval")
-            write_png(
-                out / "samples" / f"step_{done:06d}.png",
-                _grid(eval_frames[grid_idx], recon[grid_idx]),
+    stop: dict[str, str | None] = {"signal": None}  # Ctrl-C or SIGTERM: save, then stop
+
+    def on_signal(signum, _frame):
+        stop["signal"] = signal.Signals(signum).name
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    done = start
+    try:
+        for step in bar:
+            frames = jax.device_put(source.batch(step, t.batch_size), batch_sharding)
+            use_adv, do_restart = step_phase(cfg, step)
+            key = jax.random.fold_in(base_key, step)
+            state.usage, step_metrics = step_fn(
+                state.model,
+                state.disc,
+                state.opt,
+                state.disc_opt,
+                state.usage,
+                frames,
+                key,
+                use_adv=use_adv,
+                do_restart=jnp.asarray(do_restart),
             )
-            bar.write(
-                f"step {done}: held-out PSNR {metrics['psnr']:.2f} dB, codebook used "
-                f"{metrics['codebook_used']:.1%}, perplexity {metrics['perplexity']:.1f}"
-            )
-            tick += time.perf_counter() - t_eval  # frames/s counts the training steps only
-        if done % t.save_every == 0 or done == t.steps or done == stop_at:
-            ckpt.save(done, *state.checkpoint_trees())
-        if done == stop_at:
-            break
-    ckpt.wait()
-    ckpt.close()
-    logger.close()
+            done = step + 1
+            if done % t.log_every == 0 or done == t.steps or do_restart:
+                now = time.perf_counter()
+                row = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
+                row["frames_per_s"] = (done - tick_step) * t.batch_size / max(now - tick, 1e-9)
+                tick, tick_step = now, done
+                logger.write(done, row, "train")
+                bar.set_postfix(loss=f"{row['loss']:.4f}", used=f"{row['codebook_used']:.2f}")
+            if done % t.eval_every == 0 or done == t.steps:
+                t_eval = time.perf_counter()
+                metrics, recon = evaluate(state.model, eval_frames, t.batch_size, mesh)
+                logger.write(done, metrics, "eval")
+                write_png(
+                    out / "samples" / f"step_{done:06d}.png",
+                    _grid(eval_frames[grid_idx], recon[grid_idx]),
+                )
+                bar.write(
+                    f"step {done}: held-out PSNR {metrics['psnr']:.2f} dB, codebook used "
+                    f"{metrics['codebook_used']:.1%}, perplexity {metrics['perplexity']:.1f}"
+                )
+                tick += time.perf_counter() - t_eval  # frames/s counts the training steps only
+            stopping = done == stop_at or (stop["signal"] is not None and done < t.steps)
+            if done % t.save_every == 0 or done == t.steps or stopping:
+                ckpt.save(done, *state.checkpoint_trees())
+            if stopping:
+                break
+    finally:
+        bar.close()
+        ckpt.wait()
+        ckpt.close()
+        logger.close()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if stop["signal"] is not None and done < t.steps and done != stop_at:
+        log(f"{stop['signal']} at step {done}: saved checkpoint {done}; rerun to resume")
+        raise TrainingStopped(stop["signal"], done)
     if stop_at is not None and stop_at < t.steps:
         return metrics
     if not metrics:  # nothing left to run: evaluate what the checkpoint holds

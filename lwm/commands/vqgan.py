@@ -6,7 +6,9 @@
   lwm vqgan import vqgan.pkl --out weights/lwm_vqgan --allow-legacy-pickle
 
 `--checkpoint` is anything `vqgan.load_tokenizer` accepts: a training output folder or a
-folder with config.yaml and model.safetensors (what `import` writes).
+folder with config.yaml and model.safetensors (what `import` writes). `train` stopped by
+Ctrl-C or SIGTERM saves a checkpoint of the step it finished and exits 130 or 143; the same
+command resumes it.
 """
 
 from __future__ import annotations
@@ -116,7 +118,7 @@ def _train(args: argparse.Namespace) -> int:
     from lwm.base.lock import output_lock
     from lwm.base.mesh import make_mesh
     from vqgan.config import load_vqgan_config
-    from vqgan.train import train
+    from vqgan.train import TrainingStopped, train
 
     cfg = load_vqgan_config(args.config, args.overrides)
     mesh = make_mesh(cfg.mesh.shape)
@@ -127,7 +129,10 @@ def _train(args: argparse.Namespace) -> int:
         member=jax.process_index(),
         warn=lambda msg: print(f"lwm vqgan: warning: {msg}", file=sys.stderr),
     ):
-        metrics = train(cfg, mesh=mesh, source=load_frames(cfg))
+        try:
+            metrics = train(cfg, mesh=mesh, source=load_frames(cfg))
+        except TrainingStopped as stopped:  # saved; it said so
+            return 128 + {"SIGINT": 2, "SIGTERM": 15}[stopped.signal]
     print(
         f"{cfg.train.output_dir}: held-out PSNR {metrics['psnr']:.2f} dB, codebook used "
         f"{metrics['codebook_used']:.1%}, perplexity {metrics['perplexity']:.1f}"
