@@ -476,7 +476,8 @@ def _initial_params(cfg, model_cfg, mesh, log, metadata=None):
                     f"train.vision_embed_init=codebook needs a dataset tokenized with a VQGAN; "
                     f"data.source '{cfg.data.source}' names none"
                 )
-            params = _codebook_init(params, path, model_cfg, cfg.seed, log)
+            weights = metadata["vqgan"].get("weights")
+            params = _codebook_init(params, path, weights, model_cfg, cfg.seed, log)
         return params
     log(f"initialising from {source}")
     from lwm.weights import load_model
@@ -499,17 +500,27 @@ def codebook_embeddings(codebook, hidden_size: int, scale: float, seed: int):
     return (scale * vectors @ projection).astype(np.float32)
 
 
-def _codebook_init(params, vqgan_path: str, model_cfg, seed: int, log):
+def _codebook_init(params, vqgan_path: str, weights: str | None, model_cfg, seed: int, log):
     """``params`` with the rows of ``embed_vision`` for the VQGAN's codes replaced by
-    `codebook_embeddings` (the frame markers and any codes past the codebook stay random)."""
+    `codebook_embeddings` (the frame markers and any codes past the codebook stay random).
+    ``weights``: the fingerprint of the VQGAN the dataset was tokenized with (None: an older
+    dataset, not checked)."""
     import jax.numpy as jnp
 
     import vqgan
+    from vqgan.tokenizer import VideoTokenizer
 
     try:
-        codebook = vqgan.load_model(vqgan_path).quantizer.embeddings[...]
+        model = vqgan.load_model(vqgan_path)
     except (FileNotFoundError, OSError) as e:
         raise TrainingInputError(f"train.vision_embed_init=codebook: {e}") from None
+    if weights and VideoTokenizer(model).fingerprint != weights:
+        raise TrainingInputError(
+            f"train.vision_embed_init=codebook: the VQGAN '{vqgan_path}' has other weights "
+            "than the dataset was tokenized with (trained on since?): its codebook is not the "
+            "one of the dataset's codes"
+        )
+    codebook = model.quantizer.embeddings[...]
     table = params["embed_vision"]
     current = table[...]
     if codebook.shape[0] > current.shape[0]:

@@ -594,6 +594,15 @@ def test_codebook_init_puts_codes_that_look_alike_close(tmp_path):
     ]
     assert len(others) > 5 and all(others)
     assert f"from the codebook of {vq}" in logged[0]
+    # the dataset records its VQGAN's weights: the same ones are taken, others refused
+    from lwm.train import TrainingInputError
+    from vqgan.tokenizer import VideoTokenizer
+
+    meta = {"path": str(vq), "weights": VideoTokenizer(vqgan.load_model(vq)).fingerprint}
+    again = _initial_params(cfg, cfg.model, mesh, print, {"vqgan": meta})
+    np.testing.assert_array_equal(again["embed_vision"][...], params["embed_vision"][...])
+    with pytest.raises(TrainingInputError, match="has other weights than the dataset was"):
+        _initial_params(cfg, cfg.model, mesh, print, {"vqgan": meta | {"weights": "0" * 16}})
 
 
 ONE_STEP = ("train.steps=1", "mesh.shape=1,2,2,2")
