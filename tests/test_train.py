@@ -477,6 +477,8 @@ def test_non_finite_loss_stops_naming_the_step(tmp_path):
 
 
 def test_sigterm_saves_then_resumes(reference, tmp_path):
+    """SIGTERM mid-run saves the step it finished and exits 143; the rerun resumes from that
+    checkpoint and every loss equals the uninterrupted run's."""
     args = ("train.steps=12", "train.save_every=100", "mesh.shape=1,2,2,2")
     proc = lwm_train(tmp_path, *args, wait=False)
     _wait_for_step(tmp_path, 4, proc)
@@ -484,8 +486,15 @@ def test_sigterm_saves_then_resumes(reference, tmp_path):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 143, err
     assert "SIGTERM at step" in err
+    stopped = int(err.split("SIGTERM at step ")[1].split(":")[0])
+    assert 4 <= stopped < 12
+    # the step it finished is saved (save_every=100 saves nothing else), and the rerun
+    # resumes from it: a rerun from step 0 logs the same losses
+    saved = [p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()]
+    assert saved == [str(stopped)], saved
     r = lwm_train(tmp_path, *args)
     assert r.returncode == 0, r.stderr
+    assert f"resumed from checkpoint {stopped}" in r.stderr, r.stderr
     got = losses(tmp_path)
     assert all(got[s] == reference[s] for s in range(1, 13))
 
