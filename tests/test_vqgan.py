@@ -222,7 +222,10 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     train(full, mesh=mesh, source=source)
     assert train(part, mesh=mesh, source=source, stop_at=1) == {}
     assert not (root / "part" / "model.safetensors").exists()
-    train(part, mesh=mesh, source=source)  # resumes from the checkpoint at step 1
+    logged: list[str] = []
+    train(part, mesh=mesh, source=source, log=logged.append)
+    # it resumes from the checkpoint at step 1: starting over would give the same weights
+    assert "resumed from checkpoint 1" in logged, logged
     return root / "full", root / "part"
 
 
