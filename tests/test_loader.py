@@ -129,6 +129,13 @@ def test_targets_stay_inside_documents_and_follow_loss_mask(dataset):
     np.testing.assert_array_equal(
         b["target_tokens"][:, :-1][~last[:, :-1]], b["tokens"][:, 1:][~last[:, :-1]]
     )
+    # elsewhere a target weighs the loss_mask its example gives the next token (token j of
+    # example i is i * 1000 + j, `write_dataset`)
+    ld = loader(dataset, batch_size=2)
+    nxt = b["tokens"][:, 1:][~last[:, :-1]]
+    want = [ld.source[int(t) // 1000]["loss_mask"][int(t) % 1000] for t in nxt]
+    np.testing.assert_array_equal(w[:, :-1][~last[:, :-1]], want)
+    assert 0 < np.mean(want) < 1  # both kinds are there
 
 
 def test_two_hosts_read_disjoint_shares_that_cover_the_dataset(dataset):

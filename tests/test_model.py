@@ -229,13 +229,14 @@ def test_blockwise_remat_and_chunked_mlp_do_not_change_results():
 def test_loss_targets_respect_segments_and_loss_mask():
     tokens = jnp.asarray([[5, 6, 7, 8, 9, 10]])
     vision = jnp.asarray([[False, False, True, True, False, False]])
-    loss_mask = jnp.asarray([[0, 1, 1, 1, 1, 1]], jnp.float32)
+    loss_mask = jnp.asarray([[0, 1, 0, 1, 1, 1]], jnp.float32)
     seg = jnp.asarray([[1, 1, 1, 2, 2, 2]])
     t = next_token_targets(tokens, vision, loss_mask, seg)
     assert t.tokens.tolist() == [[6, 7, 8, 9, 10, 0]]
     assert t.is_vision.tolist() == [[False, True, True, False, False, False]]
-    # No target across the segment boundary (position 2 -> 3) or past the end.
-    assert t.weight.tolist() == [[1, 1, 0, 1, 1, 0]]
+    # No target where the next token is not trained (position 1 -> 2), across the segment
+    # boundary (position 2 -> 3) or past the end.
+    assert t.weight.tolist() == [[1, 0, 0, 1, 1, 0]]
 
 
 def test_loss_is_balanced_between_modalities():
