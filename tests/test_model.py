@@ -252,6 +252,11 @@ def test_loss_is_balanced_between_modalities():
     assert float(m["vision_loss"]) == pytest.approx(math.log(vv), rel=1e-5)
     assert float(loss) == pytest.approx(0.5 * math.log(vv), rel=1e-4)
     assert float(m["text_tokens"]) == 1 and float(m["vision_tokens"]) == 2
+    # Accuracy counts weighted targets only: the perfect text logits hit their one target;
+    # the uniform vision logits pick code 0, the token of no vision target (the last
+    # position's target, 0, has weight 0).
+    assert float(m["text_accuracy"]) == 1.0
+    assert float(m["vision_accuracy"]) == 0.0
 
 
 def test_partial_rotary_matches_a_per_pair_reference():
