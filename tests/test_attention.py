@@ -70,6 +70,67 @@ def assert_matches(fn, ref_fn, q, k, v, fwd_tol=1e-5, grad_tol=1e-4):
 
 
 # ---------------------------------------------------------------------------------------------
+# the dense reference itself, against numpy
+
+
+def numpy_attention(q, k, v, causal, q_pos, kv_pos, q_seg, kv_seg):
+    """Softmax attention in float64, written out per row, head and query: a query sees a key
+    where ``kv_pos <= q_pos`` (if causal) and the segment ids are equal (plain ids); a query
+    that sees nothing gives zeros."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    b, sq, h, d = q.shape
+    group = h // k.shape[2]
+    out = np.zeros_like(q)
+    for r in range(b):
+        for i in range(sq):
+            see = np.ones(k.shape[1], bool)
+            if causal:
+                see &= kv_pos[r] <= q_pos[r, i]
+            if q_seg is not None:
+                see &= kv_seg[r] == q_seg[r, i]
+            if not see.any():
+                continue
+            for hd in range(h):
+                scores = k[r, see, hd // group] @ q[r, i, hd] / np.sqrt(d)
+                p = np.exp(scores - scores.max())
+                out[r, i, hd] = (p / p.sum()) @ v[r, see, hd // group]
+    return out
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_dense_matches_a_numpy_reference(causal):
+    """Every other kernel is tested against `dense_attention`, which shares its mask with
+    blockwise, ring and decode (`_common.attention_mask`): here it is checked on its own,
+    with GQA, packed documents, per-document positions and a query row that sees no key."""
+    q, k, v = qkv(s=24)
+    seg = np.asarray(packed_segments(2, 24))
+    pos = np.zeros_like(seg)
+    for r in range(2):
+        for i in range(1, 24):
+            pos[r, i] = 0 if seg[r, i] != seg[r, i - 1] else pos[r, i - 1] + 1
+    kv_seg = seg.copy()
+    kv_seg[0, seg[0] == seg[0, -1]] = 9  # row 0's last document: its queries see no key
+    got = dense_attention(
+        q,
+        k,
+        v,
+        causal=causal,
+        q_positions=jnp.asarray(pos),
+        kv_positions=jnp.asarray(pos),
+        q_segment_ids=jnp.asarray(seg),
+        kv_segment_ids=jnp.asarray(kv_seg),
+    )
+    want = numpy_attention(q, k, v, causal, pos, pos, seg, kv_seg)
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)
+    # and with no positions or segment ids: causal by index
+    idx = np.broadcast_to(np.arange(24), (2, 24))
+    got = dense_attention(q, k, v, causal=causal)
+    np.testing.assert_allclose(
+        np.asarray(got), numpy_attention(q, k, v, causal, idx, idx, None, None), atol=1e-5
+    )
+
+
+# ---------------------------------------------------------------------------------------------
 # blockwise, one device
 
 
