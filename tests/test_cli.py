@@ -342,3 +342,13 @@ def test_the_demo_rerun_with_other_videos_into_its_folder_is_refused(tmp_path) -
         f"demo: error: --out {tmp_path} holds the videos and tokens of other settings "
         "(--videos 2 there, 3 here): rerun with those, or give another --out"
     )
+
+
+def test_lwm_traceback_shows_where_an_input_error_came_from() -> None:
+    """`LWM_TRACEBACK=1` raises what would be one line (a script takes any ValueError for bad
+    input: a fault of its own would otherwise lose its traceback)."""
+    cmd = [sys.executable, "scripts/bench_attention.py", "--heads", "0"]
+    env = dict(os.environ, LWM_TRACEBACK="1")
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 1 and "Traceback (most recent call last)" in result.stderr
+    assert result.stderr.strip().splitlines()[-1].endswith("--heads must be at least 1, not 0")
