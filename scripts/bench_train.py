@@ -268,7 +268,7 @@ def main() -> int:
         "simulated devices)",
     )
     p.add_argument("--batch", type=int, default=1, help="rows per step")
-    p.add_argument("--repeats", type=int, default=3, help="timed steps (the best is reported)")
+    p.add_argument("--repeats", type=int, default=3, help="timed steps (the median is reported)")
     p.add_argument("--dataset", help="read every step's batch from this token dataset")
     p.add_argument("--read-threads", type=int, default=2, help="grain threads (0: no grain)")
     p.add_argument(
@@ -351,7 +351,8 @@ def main() -> int:
             "flops_per_s_all_devices": round(peaks[dtype]),
         }
         print(json.dumps(line), flush=True)
-    print(json.dumps({"bench": "devices", "devices": [str(d) for d in jax.devices()]}), flush=True)
+    devices = {"devices": [str(d) for d in jax.devices()], "kind": jax.devices()[0].device_kind}
+    print(json.dumps({"bench": "devices", **devices}), flush=True)  # kind: which chip
     runs = [
         (a, k, r)
         for a in args.attention.split(",")
