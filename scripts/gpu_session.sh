@@ -36,6 +36,10 @@
 #   bash scripts/gpu_session.sh demo        # the demo on one GPU, timed
 #
 # Every step writes its log under $OUT (what comes back); the last lines of each are printed.
+# On the device, no step runs past GPU_SESSION_BUDGET seconds from the start (default 575,
+# inside the call's timeout_s 590): a step's limit is cut to what is left, and a step with
+# under 20 s left is skipped, so the summary lines come back. Give it the call's timeout_s
+# less 15 when a call has less (e.g. the rest of a session's device time).
 set -uo pipefail
 PARTS="wheels check check_demo first second attention train train_more longest packed profile demo"
 part=${1:?usage: gpu_session.sh ${PARTS// /|}}
@@ -63,9 +67,16 @@ names() {  # the distributions of pinned requirements, comma-separated
     for n in "$@"; do printf '%s,' "${n%%==*}"; done
 }
 
+budget=${GPU_SESSION_BUDGET:-575}
 step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $out/NAME.log
-    local name=$1 limit=$2
+    local name=$1 limit=$2 left
     shift 2
+    left=$((budget - SECONDS))  # SECONDS: since this script started
+    if [ "$left" -lt 20 ]; then
+        echo "== $name: skipped, $left s left of GPU_SESSION_BUDGET $budget"
+        return
+    fi
+    [ "$limit" -gt "$left" ] && limit=$left
     local t0=$SECONDS
     timeout "$limit" "$@" >"$out/$name.log" 2>&1
     local rc=$? errors ooms note=""
@@ -108,12 +119,16 @@ if [ "$part" = check ] || [ "$part" = check_demo ]; then
     carried=$(names $WHEELS)
     export PYTHONPATH="$block:$PWD" PYTHONUNBUFFERED=1 JAX_PLATFORMS=cpu LWM_CHECK_ROOT=$PWD
     export LWM_CARRIED=$carried
+    budget=100000  # no device time here
 fi
 if [ "$part" = check ]; then
     step check_info 120 "$py" -m lwm info configs/tiny.yaml model.attention_kernel=auto
     step check_parity 300 "$py" -m pytest -q -p no:cacheprovider tests/test_cudnn_attention.py
+    # one device and bf16, as on the GPU; the cuDNN impls with cuDNN's stand-in (cudnn itself
+    # runs only there)
     step check_bench_attention 300 "$py" scripts/bench_attention.py --platform cpu --seqs 512 \
-        --impls ours --check --check-seq 512 --check-block 64 --repeats 1
+        --cpu-devices 1 --dtype bfloat16 --impls ours,ours-cudnn,ours-cudnn-doc --check \
+        --check-seq 512 --check-block 64 --repeats 1
     step check_bench_train 300 "$py" scripts/bench_train.py --platform cpu --sizes tiny \
         --seqs 256 --attention blockwise --kernels xla,cudnn --one-document --repeats 1 \
         --mesh 1,1,1,1
@@ -142,6 +157,16 @@ if [ "$part" = check_demo ]; then  # the demo, tiny, as `demo` runs it there (it
     rm -rf "$block" "$out/check_demo"
     exit 0
 fi
+# which GPU: the device tool lends an H100 (80 GB) unless nvidia-h200 is named; saved with
+# the logs, since the records name no chip
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader |
+    tee "$out/device.txt"
+gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)
+if [ "$part" = longest ] && [ "${gpu_mib:-0}" -lt 120000 ]; then
+    # 133.6 GiB planned on the CPU (GPU plans were 0.72-0.83x) + 12.75 of state: an H200 only
+    echo "gpu_session.sh longest: 512K needs an H200; this GPU has ${gpu_mib:-?} MiB: not run"
+    exit 3
+fi
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
 if [ "$part" = demo ]; then
@@ -150,8 +175,8 @@ if [ "$part" = demo ]; then
 fi
 export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda
 
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
+python3 -c "import jax; print('jax', jax.__version__, jax.devices(), jax.devices()[0].device_kind)" |
+    tee -a "$out/device.txt"
 case $part in
 first)  # one call of at most 9 minutes: the issue's three measurements, tightest first
     step info 30 python3 -m lwm info configs/tiny.yaml model.attention_kernel=auto
@@ -166,8 +191,10 @@ second)  # one call of about 6 minutes (timeout_s 590): the known-order schedule
     step parity 90 python3 -m pytest -q -p no:cacheprovider tests/test_cudnn_attention.py -k gpu
     step bench_attention 110 python3 scripts/bench_attention.py --platform gpu \
         --seqs 8192,32768 --impls ours-cudnn,ours-cudnn-doc,cudnn --repeats 5
-    step bench_train 240 python3 scripts/bench_train.py --platform gpu --sizes 7b-4l \
-        --seqs 8192,32768,131072 --attention blockwise --kernels cudnn --one-document --repeats 3
+    # 128K: about 45-53 GiB planned + 12.75 of state, over JAX's default 75% of an H100's 80 GB
+    step bench_train 240 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 scripts/bench_train.py \
+        --platform gpu --sizes 7b-4l --seqs 8192,32768,131072 --attention blockwise \
+        --kernels cudnn --one-document --repeats 3
     step packed 60 python3 scripts/probe_cudnn_packed.py --platform gpu --out "$out/packed"
     step bench_train_packed 120 python3 scripts/bench_train.py --platform gpu --sizes 7b-4l \
         --seqs 8192 --attention blockwise --kernels cudnn --repeats 3 --rows auto,any
@@ -191,8 +218,8 @@ train_more)  # one call of about 7 minutes (timeout_s 590)
         --seqs 8192 --attention blockwise --kernels cudnn --one-document --remat dots_saveable \
         --repeats 5
     # MLP and loss 8K tokens at a time: 69.3 GiB planned at 256K on the CPU (34f2977), 122.5 without
-    step bench_train_256k 300 python3 scripts/bench_train.py --platform gpu --sizes 7b-4l \
-        --seqs 262144 --attention blockwise --kernels cudnn --one-document --repeats 2 \
+    step bench_train_256k 300 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 \
+        scripts/bench_train.py --platform gpu --sizes 7b-4l --seqs 262144 --attention blockwise --kernels cudnn --one-document --repeats 2 \
         --set model.mlp_chunk_size=8192 --set model.logits_chunk_size=8192
     ;;
 longest)  # one call of up to 10 minutes: 512K (133.6 GiB planned on the CPU with the chunks)
@@ -221,9 +248,10 @@ packed)  # one call of about 8 minutes (timeout_s 590): packed rows in the train
         --compiler-options '{"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE", "xla_gpu_graph_min_graph_size": 1}'
     step bench_train_one_document 80 python3 scripts/bench_train.py --platform gpu \
         --sizes 7b-4l --seqs 8192 --attention blockwise --kernels cudnn --repeats 3 --one-document
-    step packed_8k_3docs 45 python3 scripts/probe_cudnn_packed.py --platform gpu --docs 3
+    step packed_8k_3docs 45 python3 scripts/probe_cudnn_packed.py --platform gpu --docs 3 \
+        --out "$out/packed"
     step packed_32k_16docs 45 python3 scripts/probe_cudnn_packed.py --platform gpu \
-        --seq 32768 --docs 16
+        --seq 32768 --docs 16 --no-check
     ;;
 profile)  # and with XLA's command buffers (CUDA graphs) taking conditionals and loops too
     step parity 150 python3 -m pytest -q -p no:cacheprovider tests/test_cudnn_attention.py -k gpu
@@ -244,5 +272,11 @@ for line in sys.stdin:
     ;;
 demo)
     step demo 520 python3 scripts/demo.py --platform gpu
+    # what it wrote under runs/demo would not come back: its losses and answers
+    mkdir -p "$out/demo"
+    for run in shapes lm; do
+        [ -f "runs/demo/$run/metrics.jsonl" ] && cp "runs/demo/$run/metrics.jsonl" "$out/demo/$run-metrics.jsonl"
+    done
+    cp -r runs/demo/lm/eval "$out/demo/" 2>/dev/null
     ;;
 esac
