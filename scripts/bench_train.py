@@ -235,6 +235,9 @@ def bench_one(
         "tokens_per_s": round(tokens / dt, 1),
         "mfu": round(flops / dt / peak, 4),
         "temp_bytes_per_device": temp,
+        # what the device held at most so far in this process (GPUs; None on CPUs): with the
+        # lengths in rising order, the longest's own peak, parameters and AdamW state included
+        "peak_bytes_in_use": (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use"),
         "loss": float(m["loss"]),
         **extra,
     }
