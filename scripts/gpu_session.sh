@@ -180,7 +180,8 @@ python3 -c "import jax; print('jax', jax.__version__, jax.devices(), jax.devices
 case $part in
 first)  # one call of at most 9 minutes: the issue's three measurements, tightest first
     step info 30 python3 -m lwm info configs/tiny.yaml model.attention_kernel=auto
-    step parity 150 python3 -m pytest -q -p no:cacheprovider tests/test_cudnn_attention.py -k gpu
+    step parity 150 env LWM_REQUIRE_GPU=1 python3 -m pytest -q -p no:cacheprovider \
+        tests/test_cudnn_attention.py -k gpu
     step bench_attention 200 python3 scripts/bench_attention.py --platform gpu \
         --seqs 8192,32768 --repeats 3
     step bench_train 150 python3 scripts/bench_train.py --platform gpu --sizes 7b-4l \
@@ -188,7 +189,8 @@ first)  # one call of at most 9 minutes: the issue's three measurements, tightes
     ;;
 second)  # one call of about 6 minutes (timeout_s 590): the known-order schedule (8deb308) and
     # the general path's memory (aae31ed), measured
-    step parity 90 python3 -m pytest -q -p no:cacheprovider tests/test_cudnn_attention.py -k gpu
+    step parity 90 env LWM_REQUIRE_GPU=1 python3 -m pytest -q -p no:cacheprovider \
+        tests/test_cudnn_attention.py -k gpu
     step bench_attention 110 python3 scripts/bench_attention.py --platform gpu \
         --seqs 8192,32768 --impls ours-cudnn,ours-cudnn-doc,cudnn --repeats 5
     # 128K: about 45-53 GiB planned + 12.75 of state, over JAX's default 75% of an H100's 80 GB
@@ -201,7 +203,8 @@ second)  # one call of about 6 minutes (timeout_s 590): the known-order schedule
     ;;
 attention)
     step info 60 python3 -m lwm info configs/tiny.yaml model.attention_kernel=auto
-    step parity 200 python3 -m pytest -q -p no:cacheprovider tests/test_cudnn_attention.py -k gpu
+    step parity 200 env LWM_REQUIRE_GPU=1 python3 -m pytest -q -p no:cacheprovider \
+        tests/test_cudnn_attention.py -k gpu
     step bench_attention 300 python3 scripts/bench_attention.py --platform gpu \
         --seqs 8192,32768 --check --check-seq 4096 --check-block 512 --repeats 5
     step bench_attention_128k 120 python3 scripts/bench_attention.py --platform gpu \
@@ -254,7 +257,8 @@ packed)  # one call of about 8 minutes (timeout_s 590): packed rows in the train
         --seq 32768 --docs 16 --no-check
     ;;
 profile)  # and with XLA's command buffers (CUDA graphs) taking conditionals and loops too
-    step parity 150 python3 -m pytest -q -p no:cacheprovider tests/test_cudnn_attention.py -k gpu
+    step parity 150 env LWM_REQUIRE_GPU=1 python3 -m pytest -q -p no:cacheprovider \
+        tests/test_cudnn_attention.py -k gpu
     step profile 150 python3 scripts/profile_attention.py --platform gpu --seqs 8192,32768
     step profile_graphs 120 python3 scripts/profile_attention.py --platform gpu \
         --seqs 8192,32768 --impls raw,ours-cudnn,ours-noswitch \

@@ -4,6 +4,8 @@ an NVIDIA GPU (``JAX_PLATFORMS=cuda pytest tests/test_cudnn_attention.py -k gpu`
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,6 +34,10 @@ from lwm.attention.blockwise import resolve_kernel
 from lwm.attention.layout import zigzag_permutation
 
 ON_GPU = jax.default_backend() == "gpu"
+if os.environ.get("LWM_REQUIRE_GPU") == "1" and not ON_GPU:  # scripts/gpu_session.sh's parity
+    raise RuntimeError(
+        f"LWM_REQUIRE_GPU=1, but JAX runs on {jax.default_backend()}: the GPU tests would skip"
+    )
 
 
 @pytest.fixture
