@@ -28,8 +28,8 @@
 #   bash scripts/gpu_session.sh profile     # where one fwd+bwd call's time goes (about 2)
 #   bash scripts/gpu_session.sh second      # the known-order cuDNN schedule (8deb308) and the
 #                                           # general path's memory (aae31ed): parity, attention,
-#                                           # train steps 8K-128K, cuDNN's packed layout
-#                                           # (probe_cudnn_packed.py), packed rows (about 6)
+#                                           # train steps 8K/32K, then 128K and cuDNN's packed
+#                                           # layout as the budget allows (about 9.5)
 #
 # and the README's demo on the GPU, with carry [".whl", ".whl-demo", "runs/demo/videos"]:
 #
@@ -187,19 +187,21 @@ first)  # one call of at most 9 minutes: the issue's three measurements, tightes
     step bench_train 150 python3 scripts/bench_train.py --platform gpu --sizes 7b-4l \
         --seqs 8192,32768 --attention blockwise --kernels cudnn --one-document --repeats 3
     ;;
-second)  # one call of about 6 minutes (timeout_s 590): the known-order schedule (8deb308) and
-    # the general path's memory (aae31ed), measured
-    step parity 90 env LWM_REQUIRE_GPU=1 python3 -m pytest -q -p no:cacheprovider \
+second)  # one call (timeout_s 590), most important first, what the budget leaves last:
+    # parity of the schedules never run on a GPU (7 tests), the known-order schedule (8deb308)
+    # at 8K and 32K, the train step at 8K and 32K, then 128K (the general path's memory,
+    # aae31ed) and packed rows if time is left (`packed` has them too)
+    step parity 150 env LWM_REQUIRE_GPU=1 python3 -m pytest -q -p no:cacheprovider \
         tests/test_cudnn_attention.py -k gpu
     step bench_attention 110 python3 scripts/bench_attention.py --platform gpu \
         --seqs 8192,32768 --impls ours-cudnn,ours-cudnn-doc,cudnn --repeats 5
+    step bench_train 150 python3 scripts/bench_train.py --platform gpu --sizes 7b-4l \
+        --seqs 8192,32768 --attention blockwise --kernels cudnn --one-document --repeats 3
     # 128K: about 45-53 GiB planned + 12.75 of state, over JAX's default 75% of an H100's 80 GB
-    step bench_train 240 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 scripts/bench_train.py \
-        --platform gpu --sizes 7b-4l --seqs 8192,32768,131072 --attention blockwise \
-        --kernels cudnn --one-document --repeats 3
+    step bench_train_128k 150 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 \
+        scripts/bench_train.py --platform gpu --sizes 7b-4l --seqs 131072 --attention blockwise \
+        --kernels cudnn --one-document --repeats 2
     step packed 60 python3 scripts/probe_cudnn_packed.py --platform gpu --out "$out/packed"
-    step bench_train_packed 120 python3 scripts/bench_train.py --platform gpu --sizes 7b-4l \
-        --seqs 8192 --attention blockwise --kernels cudnn --repeats 3 --rows auto,any
     ;;
 attention)
     step info 60 python3 -m lwm info configs/tiny.yaml model.attention_kernel=auto
