@@ -153,7 +153,8 @@ if [ "$part" = check_demo ]; then  # the demo, tiny, as `demo` runs it there (it
     rm -rf "$out/check_demo"
     step check_demo_videos 120 env PYTHONPATH="$PWD" "$py" scripts/demo.py "${tiny[@]}" \
         --videos-only
-    step check_demo 400 "$py" scripts/demo.py "${tiny[@]}"
+    # --platform gpu: the demo's GPU branch (no --cpu-devices), on the one CPU device JAX sees
+    step check_demo 400 "$py" scripts/demo.py "${tiny[@]}" --platform gpu
     rm -rf "$block" "$out/check_demo"
     exit 0
 fi
