@@ -422,9 +422,9 @@ def _check_same_model(output: Path, model_cfg, tc) -> Config | None:
 def _log_changes(found: Config, cfg: Config, start: int, output: Path, schedule, log) -> None:
     """Say which settings a resume changes from the run's ``config.yaml`` (which then holds
     the new ones: the old file is kept as ``config.until-START.yaml``, unless an earlier resume
-    at the same step kept one), and where a new
-    ``train.steps`` moves the learning rate of a decaying schedule (it is spread over the new
-    number of steps, so extending a finished cosine run raises it again)."""
+    at the same step kept one), and where a new ``train.steps`` moves the learning rate of a
+    decaying schedule (it is spread over the new number of steps, so extending a finished
+    cosine run raises it again)."""
     from lwm.base.config import keep_config_before_changes
 
     sections = ("model", "train", "data", "eval")
