@@ -319,8 +319,9 @@ def train(
     ``stop_at``: stop after this many completed steps (checkpointing there), as an interrupted
     run would; a later call resumes. The weights and eval.json are written only at the end.
     A damaged newest checkpoint is logged and set aside, and the one before it resumed; a
-    checkpoint at or past ``train.steps`` whose weights are written is nothing to do. ``log``:
-    where those lines go (stderr)."""
+    checkpoint at or past ``train.steps`` whose weights are written is nothing to do. SIGINT
+    or SIGTERM: the step running is finished, checkpointed, and `TrainingStopped` raised.
+    ``log``: where those lines go (stderr)."""
     from tqdm import tqdm
 
     log = log or (lambda msg: print(f"lwm vqgan: {msg}", file=sys.stderr, flush=True))
