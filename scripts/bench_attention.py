@@ -409,21 +409,15 @@ def time_interleaved(cases: Sequence[Prepared], repeats: int) -> None:
     """Time ``repeats`` calls of each case, round-robin, so that a change in the load of the
     shared machine hits every implementation alike; each is called once first, untimed (the
     first call after compiling also allocates)."""
-    for p in cases:
-        if p.compiled is not None:
-            try:
-                jax.block_until_ready(p.compiled(*p.args))
-            except Exception as e:  # e.g. an allocation failure while running
-                p.record.update(failure(e))
-                p.compiled = None
-    for _ in range(repeats):
+    for round_ in range(1 + repeats):  # round 0: the untimed call
         for p in cases:
             if p.compiled is None:
                 continue
             try:
                 wall, cpu = timed_call(p.compiled, p.args)
-                p.times.append(wall)
-                p.cpu_times.append(cpu)
+                if round_:
+                    p.times.append(wall)
+                    p.cpu_times.append(cpu)
             except Exception as e:  # e.g. an allocation failure while running
                 p.record.update(failure(e))
                 p.compiled = None

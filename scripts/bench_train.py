@@ -42,7 +42,7 @@ import typing
 import jax
 import numpy as np
 from flax import nnx
-from steps import check_choices  # scripts/steps.py
+from steps import check_choices, failed_status  # scripts/steps.py
 
 from data.batches import SyntheticTokenLoader
 from lwm.base.mesh import MeshError, make_mesh, use_platform
@@ -395,7 +395,7 @@ def main() -> int:
                         "attention": attention,
                         "kernel": kernel,
                         "rows": rows,
-                        "status": f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}",
+                        "status": failed_status(e),
                     }
                 row.setdefault(attention, rec)
                 print(json.dumps(rec), flush=True)

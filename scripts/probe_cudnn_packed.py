@@ -32,6 +32,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+from steps import failed_status  # scripts/steps.py
 
 
 def main() -> int:
@@ -65,9 +66,7 @@ def main() -> int:
         for line in [] if args.no_check else check(args):
             print(json.dumps(line), flush=True)
     except Exception as e:  # e.g. a cuDNN or GPU without the packed layout
-        line = {"probe": "cudnn_packed_check", "status": f"failed: {type(e).__name__}: "}
-        line["status"] += str(e).splitlines()[0][:200] if str(e) else ""
-        print(json.dumps(line), flush=True)
+        print(json.dumps({"probe": "cudnn_packed_check", "status": failed_status(e)}), flush=True)
     for line in timing(args):
         print(json.dumps(line), flush=True)
     return 0
@@ -263,7 +262,7 @@ def timing(args) -> Iterator[dict]:
                 times.append(time.perf_counter() - t0)
             rec = {"time_ms": round(statistics.median(times) * 1e3, 3)}
         except Exception as e:  # e.g. a cuDNN too old for packed rows
-            rec = {"status": f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+            rec = {"status": failed_status(e)}
         yield {"probe": "cudnn_packed_time", "impl": name, "seq": t, "docs": docs, **rec}
 
 

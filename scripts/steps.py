@@ -87,3 +87,11 @@ def check_choices(*given: tuple[str, str, Sequence[str]]) -> None:
     for flag, text, known in given:
         if bad := [x for x in text.split(",") if x not in known]:
             raise ValueError(f"unknown {flag} {bad[0]!r} (known: {', '.join(known)})")
+
+
+def failed_status(error: BaseException) -> str:
+    """A measurement's status when it raised: ``failed: TYPE: the message's first line``."""
+    name = type(error).__name__
+    return (
+        f"failed: {name}: {str(error).splitlines()[0][:200]}" if str(error) else f"failed: {name}"
+    )
