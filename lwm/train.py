@@ -18,7 +18,6 @@ order (``rows_*``, `lwm.model.ROW_ORDERS`: each order runs a step compiled for i
 from __future__ import annotations
 
 import math
-import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from jax.sharding import Mesh
 
 from lwm.base.mesh import MeshError, check_batch_fits
 from lwm.base.metrics import MetricsWriter
+from lwm.base.signals import StopSignals
 from lwm.config import Config, config_to_yaml
 from lwm.info import flops_per_token, measure_peak_flops
 from lwm.model import round_reach, row_permutation, row_schedule, sequence_layout
@@ -235,12 +235,7 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
     if primary:
         (output / "config.yaml").write_text(config_to_yaml(cfg))
 
-    stop: dict[str, str | None] = {"signal": None}
-
-    def on_signal(signum, _frame):
-        stop["signal"] = signal.Signals(signum).name
-
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    stop = StopSignals()
     bar = None
     if primary and tc.progress:
         from tqdm import tqdm
@@ -333,7 +328,7 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
             if bar is not None:
                 bar.update(1)
             save_now = step % tc.save_every == 0 or step == tc.steps
-            if stop["signal"] is not None or save_now:
+            if stop.received is not None or save_now:
                 check(step)
                 save_checkpoint(
                     manager, step, params, opt_state, {"step": step, "loader": loader.state()}
@@ -359,8 +354,8 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
                     + f" ({scores['eval_seconds']:.0f} s)"
                 )
                 window["t"] += time.perf_counter() - t_eval  # the evaluation is no step's time
-            if stop["signal"] is not None:
-                stopped_by = stop["signal"]
+            if stop.received is not None:
+                stopped_by = stop.received
                 log(
                     f"{stopped_by} at step {step}: saved checkpoint {step}; rerun the same "
                     "command to resume"
@@ -373,8 +368,7 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
         writer.close()
         if bar is not None:
             bar.close()
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        stop.restore()
     return TrainResult(step=step, stopped_by=stopped_by)
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import json
-import signal
 import sys
 import time
 from collections.abc import Callable
@@ -34,6 +33,7 @@ from lwm.base.media import write_png
 from lwm.base.mesh import BATCH_AXES, MeshError, batch_devices
 from lwm.base.metrics import MetricsWriter
 from lwm.base.schedule import warmup_schedule
+from lwm.base.signals import StopSignals
 from vqgan.checkpoint import Checkpointer
 from vqgan.config import (
     LossConfig,
@@ -368,12 +368,7 @@ def train(
         range(start, t.steps), initial=start, total=t.steps, disable=not t.progress, unit="step"
     )
     tick, tick_step = time.perf_counter(), start
-    stop: dict[str, str | None] = {"signal": None}  # Ctrl-C or SIGTERM: save, then stop
-
-    def on_signal(signum, _frame):
-        stop["signal"] = signal.Signals(signum).name
-
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    stop = StopSignals()  # Ctrl-C or SIGTERM: save, then stop
     done = start
     try:
         for step in bar:
@@ -412,7 +407,7 @@ def train(
                     f"{metrics['codebook_used']:.1%}, perplexity {metrics['perplexity']:.1f}"
                 )
                 tick += time.perf_counter() - t_eval  # frames/s counts the training steps only
-            stopping = done == stop_at or (stop["signal"] is not None and done < t.steps)
+            stopping = done == stop_at or (stop.received is not None and done < t.steps)
             if done % t.save_every == 0 or done == t.steps or stopping:
                 ckpt.save(done, *state.checkpoint_trees())
             if stopping:
@@ -422,11 +417,10 @@ def train(
         ckpt.wait()
         ckpt.close()
         logger.close()
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-    if stop["signal"] is not None and done < t.steps and done != stop_at:
-        log(f"{stop['signal']} at step {done}: saved checkpoint {done}; rerun to resume")
-        raise TrainingStopped(stop["signal"], done)
+        stop.restore()
+    if stop.received is not None and done < t.steps and done != stop_at:
+        log(f"{stop.received} at step {done}: saved checkpoint {done}; rerun to resume")
+        raise TrainingStopped(stop.received, done)
     if stop_at is not None and stop_at < t.steps:
         return metrics
     if not metrics:  # nothing left to run: evaluate what the checkpoint holds

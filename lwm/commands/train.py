@@ -41,6 +41,7 @@ def run(args: argparse.Namespace) -> int:
     from lwm.base.distributed import init_distributed
     from lwm.base.lock import output_lock
     from lwm.base.mesh import make_mesh
+    from lwm.base.signals import exit_status
     from lwm.train import TrainingError, train
 
     cfg = load_config(args.config, args.overrides)
@@ -67,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         _remove_if_untrained(Path(out), new)
         raise
     if result.stopped_by is not None:
-        return 128 + {"SIGINT": 2, "SIGTERM": 15}.get(result.stopped_by, 0)
+        return exit_status(result.stopped_by)
     print(
         f"lwm train: done at step {result.step}; checkpoints and metrics in {out}", file=sys.stderr
     )

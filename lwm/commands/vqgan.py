@@ -117,6 +117,7 @@ def _train(args: argparse.Namespace) -> int:
     from data.vqgan_frames import load_frames
     from lwm.base.lock import output_lock
     from lwm.base.mesh import make_mesh
+    from lwm.base.signals import exit_status
     from vqgan.config import load_vqgan_config
     from vqgan.train import TrainingStopped, train
 
@@ -132,7 +133,7 @@ def _train(args: argparse.Namespace) -> int:
         try:
             metrics = train(cfg, mesh=mesh, source=load_frames(cfg))
         except TrainingStopped as stopped:  # saved; it said so
-            return 128 + {"SIGINT": 2, "SIGTERM": 15}[stopped.signal]
+            return exit_status(stopped.signal)
     print(
         f"{cfg.train.output_dir}: held-out PSNR {metrics['psnr']:.2f} dB, codebook used "
         f"{metrics['codebook_used']:.1%}, perplexity {metrics['perplexity']:.1f}"
