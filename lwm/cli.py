@@ -98,6 +98,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_reporting_errors(f"lwm {top.command}", run)
 
 
+def tracebacks_asked() -> bool:
+    """Whether the environment asks for tracebacks (``LWM_TRACEBACK`` set, not ``0``)."""
+    return os.environ.get("LWM_TRACEBACK", "") not in ("", "0")
+
+
+def note_failure(error: BaseException) -> None:
+    """With ``LWM_TRACEBACK=1``, print ``error``'s traceback on stderr: for a measurement that
+    a script records as failed (one line in its JSON) and goes on from, so that a run that
+    cannot be repeated (a lent GPU's few minutes) keeps where the failure came from."""
+    if tracebacks_asked():
+        import traceback
+
+        traceback.print_exception(error, file=sys.stderr)
+        sys.stderr.flush()
+
+
 def run_reporting_errors(
     who: str, run: Callable[[], int | None], also: tuple[type[BaseException], ...] = ()
 ) -> int:
@@ -112,7 +128,7 @@ def run_reporting_errors(
         sys.stdout.flush()  # a reader that left early shows here, not at exit
         return int(status or 0)
     except (*user_errors(), *also) as e:
-        if os.environ.get("LWM_TRACEBACK", "") not in ("", "0"):
+        if tracebacks_asked():
             raise
         message = " ".join(str(e).split())
         print(f"{who}: error: {message}", file=sys.stderr)

@@ -68,6 +68,7 @@ from lwm.attention import (
 )
 from lwm.attention.layout import ring_block_size, zigzag_permutation
 from lwm.base.mesh import MeshError, use_platform
+from lwm.cli import note_failure
 
 # The case's shape; on a GPU (``--platform gpu``) main() sets the devices JAX sees, and the
 # defaults become LWM-7B's attention (32 heads of 128) in bfloat16.
@@ -381,6 +382,8 @@ def memory_guard(fields: dict[str, int], devices: int) -> str | None:
 
 
 def failure(err: BaseException) -> dict[str, str]:
+    """A failed case's status and first line (the traceback on stderr with LWM_TRACEBACK=1)."""
+    note_failure(err)
     return {"status": "oom" if is_oom(err) else "error", "error": str(err).splitlines()[0][:300]}
 
 

@@ -118,6 +118,7 @@ if [ "$part" = check ] || [ "$part" = check_demo ]; then
     # shellcheck disable=SC2086
     carried=$(names $WHEELS)
     export PYTHONPATH="$block:$PWD" PYTHONUNBUFFERED=1 JAX_PLATFORMS=cpu LWM_CHECK_ROOT=$PWD
+    export LWM_TRACEBACK=1  # as on the device
     export LWM_CARRIED=$carried
     budget=100000  # no device time here
 fi
@@ -174,7 +175,12 @@ if [ "$part" = demo ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl-demo/* || exit 1
 fi
-export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda
+# LWM_TRACEBACK: a measurement that fails keeps its traceback in its step's log (the scripts
+# record it as one line and go on), and an input error shows where it came from
+export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda LWM_TRACEBACK=1
+# compiled programs kept on the machine while it stays warm: a second call that runs a step
+# again (after a cut-off one) skips its compiles; its records' compile_s are then cache reads
+export JAX_COMPILATION_CACHE_DIR=/tmp/lwm_jax_cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=5
 
 python3 -c "import jax; print('jax', jax.__version__, jax.devices(), jax.devices()[0].device_kind)" |
     tee -a "$out/device.txt"

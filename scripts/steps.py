@@ -90,7 +90,11 @@ def check_choices(*given: tuple[str, str, Sequence[str]]) -> None:
 
 
 def failed_status(error: BaseException) -> str:
-    """A measurement's status when it raised: ``failed: TYPE: the message's first line``."""
+    """A measurement's status when it raised: ``failed: TYPE: the message's first line``
+    (with ``LWM_TRACEBACK=1``, the traceback on stderr too: `lwm.cli.note_failure`)."""
+    from lwm.cli import note_failure
+
+    note_failure(error)
     name = type(error).__name__
     return (
         f"failed: {name}: {str(error).splitlines()[0][:200]}" if str(error) else f"failed: {name}"

@@ -352,3 +352,30 @@ def test_lwm_traceback_shows_where_an_input_error_came_from() -> None:
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 1 and "Traceback (most recent call last)" in result.stderr
     assert result.stderr.strip().splitlines()[-1].endswith("--heads must be at least 1, not 0")
+
+
+def test_a_failed_measurement_keeps_its_traceback_when_asked(monkeypatch, capsys) -> None:
+    """A benchmark records a failed case as one JSON line and goes on (`steps.failed_status`);
+    with `LWM_TRACEBACK=1` (as `scripts/gpu_session.sh` sets on the device) the case's
+    traceback goes to stderr as well, naming the function that raised; without it, nothing."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from steps import failed_status
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+
+    def kernel_that_fails() -> None:
+        raise RuntimeError("RESOURCE_EXHAUSTED: out of memory\nwhile allocating 9 GiB")
+
+    try:
+        kernel_that_fails()
+    except RuntimeError as e:
+        error = e
+    monkeypatch.delenv("LWM_TRACEBACK", raising=False)
+    assert failed_status(error) == "failed: RuntimeError: RESOURCE_EXHAUSTED: out of memory"
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("LWM_TRACEBACK", "1")
+    assert failed_status(error) == "failed: RuntimeError: RESOURCE_EXHAUSTED: out of memory"
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback (most recent call last)")
+    assert "in kernel_that_fails" in err and err.rstrip().endswith("while allocating 9 GiB")
