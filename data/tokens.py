@@ -68,6 +68,7 @@ __all__ = [
     "build_example",
     "frame_cells",
     "frame_markers",
+    "lwm_chat_prompt_streams",
     "loss_weight",
     "qa_prompt",
     "qa_prompt_streams",
@@ -337,6 +338,27 @@ def qa_prompt_streams(codec: TextCodec, codes: np.ndarray, question: str):
     ex.add(codec.encode(qa_prompt(question)), vision=False, loss=False)
     arrays = ex.arrays()
     return arrays["tokens"], arrays["vision_mask"].astype(bool)
+
+
+def lwm_chat_prompt_streams(codec: TextCodec, codes: np.ndarray, question: str):
+    """``(tokens, vision_mask)`` of the prompt LWM's own ``vision_chat.py`` (``construct_input``)
+    builds for one question about one video, for models trained by LWM (its released chat
+    checkpoints): ``"<s>You are a helpful assistant. USER: {question}\\n"``, ``<vision>``, the
+    video, ``</vision>``, ``" ASSISTANT:"``, each piece encoded on its own with the tokenizer's
+    default special tokens (so with LLaMA's tokenizer each begins with a BOS, and the text
+    ``<s>`` is one more), the question before the video. Only the video is vision. Our own QA
+    records (`qa_prompt_streams`) put the video first and have no system sentence."""
+    tok = codec.tokenizer
+    pieces = [
+        (tok.encode(f"<s>You are a helpful assistant. USER: {question}\n"), False),
+        (tok.encode(VISION_START), False),
+        (vision_span(codes), True),
+        (tok.encode(VISION_END), False),
+        (tok.encode(" ASSISTANT:"), False),
+    ]
+    tokens = np.concatenate([np.asarray(ids, np.int32) for ids, _ in pieces])
+    vision = np.concatenate([np.full(len(ids), v, bool) for ids, v in pieces])
+    return tokens, vision
 
 
 def text_to_video_prompt_streams(codec: TextCodec, caption: str | None):

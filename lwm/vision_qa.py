@@ -4,7 +4,8 @@ The prompt is exactly the context of the first turn of an `lwm tokenize` QA reco
 (`data.tokens`): ``BOS <vision> codes... </vision> USER: {question} ASSISTANT:``; the model
 writes the answer and stops at EOS. Videos are read, sampled, resized and cropped as
 `lwm tokenize` does (by default with the sampling recorded in the training dataset's metadata),
-then encoded with the VQGAN, once per video.
+then encoded with the VQGAN, once per video. ``prompt="lwm"`` asks instead with the prompt of
+LWM's own ``vision_chat.py`` (`data.tokens.lwm_chat_prompt_streams`), for weights LWM trained.
 
     qa = VideoQA(model, codec, vqgan, max_frames=8)
     answers = qa.answer([("clip.mp4", "What colour is the moving square?")])  # [Answer(...)]
@@ -21,7 +22,13 @@ import numpy as np
 
 from data.decode import DecodeOptions, decode_item
 from data.manifest import Item
-from data.tokens import TextCodec, qa_prompt, qa_prompt_streams, video_prompt_streams
+from data.tokens import (
+    TextCodec,
+    lwm_chat_prompt_streams,
+    qa_prompt,
+    qa_prompt_streams,
+    video_prompt_streams,
+)
 from lwm.generate import GREEDY, Sampling, generate, prompt_batch
 from lwm.model import LWMModel
 from lwm.qa_eval import Answer
@@ -47,7 +54,11 @@ class VideoQA:
 
     Prompts go to `lwm.generate.generate` in batches of ``batch_size`` rows, right-padded to a
     multiple of ``pad_to`` tokens, so repeated calls (an evaluation every N training steps)
-    reuse one compiled program. ``model`` may be replaced between calls (same structure)."""
+    reuse one compiled program. ``model`` may be replaced between calls (same structure).
+    ``prompt``: ``"record"`` (our QA records' prompt, `qa_prompt_streams`) or ``"lwm"`` (LWM's
+    ``vision_chat.py`` prompt, `lwm_chat_prompt_streams`; one question at a time)."""
+
+    PROMPTS = ("record", "lwm")
 
     def __init__(
         self,
@@ -63,7 +74,11 @@ class VideoQA:
         pad_to: int = 128,
         seed: int = 0,
         prefill_chunk: int | None = None,
+        prompt: str = "record",
     ):
+        if prompt not in self.PROMPTS:
+            raise ValueError(f"unknown prompt '{prompt}'; choose one of {', '.join(self.PROMPTS)}")
+        self.prompt = prompt
         self.model, self.codec, self.vqgan = model, codec, vqgan
         self.max_frames, self.fps = max_frames, fps
         self.max_new_tokens, self.sampling = max_new_tokens, sampling
@@ -81,7 +96,8 @@ class VideoQA:
 
     def answer(self, pairs: Sequence[tuple[str | Path, str]]) -> list[Answer]:
         _check_pairs(pairs)
-        prompts = [qa_prompt_streams(self.codec, self.codes(v), q) for v, q in pairs]
+        streams = lwm_chat_prompt_streams if self.prompt == "lwm" else qa_prompt_streams
+        prompts = [streams(self.codec, self.codes(v), q) for v, q in pairs]
         answers: list[Answer] = []
         for start in range(0, len(prompts), self.batch_size):
             answers += self.answer_prompts(prompts[start : start + self.batch_size])
@@ -94,6 +110,8 @@ class VideoQA:
         closed by its EOS, also when cut). Turn k of every conversation is answered in one
         pass over all of them."""
         _check_pairs(pairs)
+        if self.prompt != "record":
+            raise ValueError("LWM's vision_chat prompt has one question: ask each one alone")
         order: dict[str, list[int]] = {}
         for i, (video, _) in enumerate(pairs):
             order.setdefault(str(video), []).append(i)

@@ -27,6 +27,58 @@ def test_qa_prompt_is_the_context_of_a_training_record():
     assert vision.sum() == 3 * (16 + 1)
 
 
+def _lwm_vision_chat_prompt(tokenizer, codes, question):
+    """LWM's ``lwm/vision_chat.py`` for one prompt, transcribed (``_read_process_vision`` turns
+    the codes into ids, ``construct_input`` builds the prompt without its left padding)."""
+    vision = []
+    for t in range(len(codes)):
+        vision.extend(codes[t].reshape(-1).tolist())
+        vision.append(8193 if t == len(codes) - 1 else 8192)
+    text_1 = tokenizer.encode(f"<s>You are a helpful assistant. USER: {question}\n")
+    vision_start = tokenizer.encode("<vision>")
+    vision_end = tokenizer.encode("</vision>")
+    tail = tokenizer.encode(" ASSISTANT:")
+    tokens, vm = [], []
+    for ids, is_vision in ((text_1, False), (vision_start, False), (vision, True),
+                           (vision_end, False), (tail, False)):  # fmt: skip
+        tokens.extend(ids)
+        vm.extend([is_vision] * len(ids))
+    return tokens, vm
+
+
+def test_lwm_prompt_is_the_prompt_of_lwms_vision_chat():
+    """``prompt="lwm"`` (``lwm ask --prompt lwm``) asks as LWM's own chat script does, so LWM's
+    released chat weights see the prompt they were made for; the default stays our records'."""
+    from lwm.qa_eval import Answer
+    from lwm.vision_qa import VideoQA
+
+    codec = TextCodec.load()
+    codes = np.random.default_rng(1).integers(0, 8192, (3, 16, 16))
+    question = "What is the video about?"
+    asked = {}
+
+    for prompt in ("lwm", "record"):
+        qa = VideoQA(None, codec, None, prompt=prompt)
+        qa._codes["v.mp4"] = codes  # as if the VQGAN had encoded the video
+
+        def generate(prompts, prompt=prompt):
+            asked[prompt] = prompts
+            return [(Answer("", cut=False), []) for _ in prompts]
+
+        qa._generate = generate
+        qa.answer([("v.mp4", question)])
+    (tokens, vision), = asked["lwm"]  # fmt: skip
+    want_tokens, want_vision = _lwm_vision_chat_prompt(codec.tokenizer, codes, question)
+    assert tokens.tolist() == want_tokens and vision.tolist() == want_vision
+    (tokens, vision), = asked["record"]  # fmt: skip
+    assert tokens.tolist() == qa_prompt_streams(codec, codes, question)[0].tolist()
+    assert tokens.tolist() != want_tokens
+    with pytest.raises(ValueError, match="one question"):
+        VideoQA(None, codec, None, prompt="lwm").answer_in_conversations([("v.mp4", question)])
+    with pytest.raises(ValueError, match="unknown prompt 'llava'"):
+        VideoQA(None, codec, None, prompt="llava")
+
+
 def test_ask_about_a_missing_run_is_one_clear_error(tmp_path, capsys):
     video = tmp_path / "v.mp4"
     question = ["--video", str(video), "--question", "What is it?"]

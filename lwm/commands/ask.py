@@ -8,7 +8,9 @@ first turn (the synthetic world draws the order of a record's turns per video, s
 question is the first in some records). One JSON
 line per question: the answer, and "cut": true when it did not end within --max-new-tokens.
 The video is sampled as the run's training dataset was, and --vqgan and --tokenizer default to
-that dataset's (see `lwm eval qa` for scoring a whole manifest).
+that dataset's (see `lwm eval qa` for scoring a whole manifest). ``--prompt lwm`` asks with
+the prompt of LWM's own ``vision_chat.py`` (`data.tokens.lwm_chat_prompt_streams`), for weights
+LWM trained.
 """
 
 from __future__ import annotations
@@ -31,6 +33,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         required=True,
         type=nonempty,
         help="a question (may be repeated)",
+    )
+    parser.add_argument(
+        "--prompt",
+        choices=("record", "lwm"),
+        default="record",
+        help="record: the prompt our QA records train on (video, then USER: q ASSISTANT:); lwm: "
+        "the prompt of LWM's vision_chat.py (system sentence, question, then video), for "
+        "LWM's released chat weights (default record)",
     )
 
 

@@ -242,6 +242,7 @@ def load_video_qa(args: argparse.Namespace, log, *, vqgan: bool = True):
         sampling=Sampling(temperature=args.temperature, top_p=args.top_p),
         batch_size=args.batch_size,
         prefill_chunk=args.prefill_chunk,
+        prompt=getattr(args, "prompt", "record"),
     )
 
 
