@@ -7,6 +7,12 @@ sequence, and where ``loss_mask`` of the target is 0 (prompts, questions, paddin
 
 The loss is LWM's: the mean cross-entropy over text targets (text head) and the mean over
 vision targets (vision head), combined with weights (LWM: 0.5 and 0.5).
+
+One difference in the means, on purpose: here each is over all of the batch's targets of its
+modality (so micro-batches and sequence chunks add up exactly), while LWM's (tux's
+``cross_entropy_loss_and_accuracy``) averages each row's targets and then the rows, a row
+without targets of a modality counting as 0 in that mean. The two agree when every row has
+as many targets of each modality, and differ for packed rows of unequal mixes.
 """
 
 from __future__ import annotations

@@ -7,6 +7,13 @@ after it), and the VQGAN decodes the codes to pixels. With ``cfg_scale`` (classi
 guidance) every step also runs the unconditional prompt (BOS, ``<vision>``) and samples from
 ``uncond + cfg_scale * (cond - uncond)``; ``cfg_scale=1`` is the conditional model alone.
 
+Where LWM's ``vision_generation.py`` differs (this module follows our own records, not it):
+its prompt is ``"<s>You are a helpful assistant. USER: Generate a video of {caption}
+ASSISTANT: <vision>"`` ("Generate an image of" for the first frame, which it samples first with
+its image settings), its unconditional prompt ``"<s><vision>"``; it samples code positions
+from all 8,448 vision logits (markers and padding included; here only codes), and forces
+``<eof>`` (8192) after every 256 codes, the last frame's too, where we end with ``<eov>``.
+
     gen = load_video_generator("run:runs/t2v/lm", cfg_scale=3.0)
     clips = gen.frames(["One shape on a dark background: a red circle moving left."], frames=4)
     clips.shape                     # uint8 [1, 4, 32, 32, 3]
