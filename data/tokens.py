@@ -229,8 +229,11 @@ class TextCodec:
     """A Hugging Face tokenizer used the way the token stream needs it.
 
     Every piece of text (markers included) is encoded with ``add_special_tokens=False``; BOS is
-    added once, at the start of an example, and only if the tokenizer defines one (LWM's code
-    encodes ``<vision>`` with the default special tokens and so puts a BOS before each video).
+    added once, at the start of an example, and only if the tokenizer defines one. (LWM's
+    ``VisionTextProcessor`` encodes ``<vision>``, ``</vision>`` and every text field with the
+    default special tokens, so with LLaMA's tokenizer a BOS comes before each of them: before
+    each video, after its codes, and before its caption; `lwm_chat_prompt_streams` builds its
+    chat prompt that way.)
     """
 
     def __init__(self, tokenizer: Any, name: str):
