@@ -16,7 +16,11 @@ and a video needle, scored on a grid of context lengths x depths.
 
 Prompts are the ones the model was trained with (`data.tokens`): ``BOS haystack USER: question
 ASSISTANT:`` for text, ``BOS <vision> codes </vision> USER: question ASSISTANT:`` for video;
-answers come from `lwm.vision_qa.VideoQA.answer_prompts` (greedy, stop at EOS).
+answers come from `lwm.vision_qa.VideoQA.answer_prompts` (greedy, stop at EOS). LWM's
+``eval_needle.py`` asks its own chat models otherwise: ``"You are a helpful assistant. USER:
+{context} {question} Don't give information outside the document or repeat your findings. Keep
+your response short and direct. ASSISTANT: "``, so scores of LWM's weights here are not those
+of its script.
 
     report = evaluate_needles(qa, text_cases(codec, lengths=[1000, 4000], depths=[0, .5, 1]))
     report.write_jsonl("needle.jsonl"); report.heatmap("needle.png", title="...")
