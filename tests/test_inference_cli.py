@@ -173,3 +173,19 @@ def test_a_run_loaded_with_other_vision_codes_is_refused(run):
     assert load_model(f"run:{run}", cfg, log=lambda _: None).cfg.vision_codes == 64
     with pytest.raises(WeightsError, match=r"model.vision_codes: 64 there, None here"):
         load_model(f"run:{run}", cfg.model_copy(update={"vision_codes": None}), log=print)
+
+
+def test_ask_with_lwms_chat_prompt(run, tmp_path, capsys):
+    """`lwm ask --prompt lwm` (LWM's vision_chat prompt) answers as the default prompt does:
+    one JSON line per question."""
+    from tokenize_helpers import save_tiny_vqgan
+
+    from lwm.base.media import write_mp4
+
+    video = tmp_path / "v.mp4"
+    write_mp4(video, np.zeros((2, 16, 16, 3), np.uint8), fps=2)
+    vqgan = save_tiny_vqgan(tmp_path / "vq64", num_embeddings=64)
+    ask = ["ask", "--model", f"run:{run}", "--video", str(video), "--question", "Which?"]
+    assert lwm([*ask, "--vqgan", str(vqgan), "--prompt", "lwm", "--max-new-tokens", "2"]) == 0
+    (line,) = capsys.readouterr().out.strip().splitlines()
+    assert json.loads(line)["question"] == "Which?"
