@@ -168,6 +168,9 @@ class Block(nnx.Module):
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """LWM's RMSNorm, with the weight applied in float32 before the cast back to ``x``'s dtype
+    (LWM casts the normalised ``x`` to the compute dtype first, then multiplies: the same in
+    float32, one rounding apart in bfloat16)."""
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return (xf * weight.astype(jnp.float32)).astype(x.dtype)

@@ -48,5 +48,6 @@ def preprocess(frames: jax.Array, size: int) -> jax.Array:
 
 
 def postprocess(x: jax.Array) -> jax.Array:
-    """Model output in [-1, 1] -> uint8 (rounded)."""
+    """Model output in [-1, 1] -> uint8 (rounded; LWM's scripts truncate,
+    ``((x + 1) * 127.5).astype(np.uint8)``, so their pixels can be one lower)."""
     return jnp.clip(jnp.round((x.astype(jnp.float32) + 1.0) * 127.5), 0, 255).astype(jnp.uint8)
