@@ -81,6 +81,8 @@ class ModelConfig(BaseModel):
     # formats have no such setting, and export refuses a model with it).
     rope_dims: PositiveInt | None = None
     max_seq_len: PositiveInt
+    # 1e-5 as Hugging Face's Llama-2 configs; LWM's own models use 1e-6 (`configs/7b.yaml`):
+    # give that when loading LWM's weights with a config of your own.
     rms_norm_eps: PositiveFloat = 1e-5
     dtype: DType = "float32"  # activations / compute
     param_dtype: DType = "float32"  # stored parameters
