@@ -35,7 +35,8 @@
 #
 #   bash scripts/gpu_session.sh demo        # the demo on one GPU, timed
 #
-# Every step writes its log under $OUT (what comes back); the last lines of each are printed.
+# Every step writes its log in /tmp/gpu_session_logs and packs all the logs into $OUT/logs.tgz:
+# at most 8 files come back from $OUT (the device README), one archive always does. The summary line and the last lines of each step are printed (the call's output tail).
 # On the device, no step runs past GPU_SESSION_BUDGET seconds from the start (default 575,
 # inside the call's timeout_s 590): a step's limit is cut to what is left, and a step with
 # under 20 s left is skipped, so the summary lines come back. Give it the call's timeout_s
@@ -52,6 +53,11 @@ case " $PARTS " in
 esac
 out=${OUT:-/tmp/gpu_session}
 mkdir -p "$out"
+# outside $out (what comes back: logs.tgz and device.txt): the steps' logs and small outputs,
+# packed into $out/logs.tgz; and what stays on the machine (a run's checkpoints)
+logs=/tmp/gpu_session_logs work=/tmp/gpu_session_work
+rm -rf "$logs" "$work"
+mkdir -p "$logs" "$work"
 
 # What the GPU machine's image lacks (the device library's KINDS.md), carried as wheels for
 # its Python 3.12: for every part, and for the demo (promise has no wheel: its source archive)
@@ -68,26 +74,32 @@ names() {  # the distributions of pinned requirements, comma-separated
 }
 
 budget=${GPU_SESSION_BUDGET:-575}
-step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $out/NAME.log
+pack() {  # everything in $logs as $out/logs.tgz, replaced whole (a cut-off call keeps the last)
+    tar -czf "$out/logs.tgz.part" -C "$logs" . && mv -f "$out/logs.tgz.part" "$out/logs.tgz"
+}
+
+step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $logs/NAME.log
     local name=$1 limit=$2 left
     shift 2
     left=$((budget - SECONDS))  # SECONDS: since this script started
     if [ "$left" -lt 20 ]; then
-        echo "== $name: skipped, $left s left of GPU_SESSION_BUDGET $budget"
+        echo "== $name: skipped, $left s left of GPU_SESSION_BUDGET $budget" |
+            tee -a "$logs/summary.txt"
         return
     fi
     [ "$limit" -gt "$left" ] && limit=$left
     local t0=$SECONDS
-    timeout "$limit" "$@" >"$out/$name.log" 2>&1
+    timeout "$limit" "$@" >"$logs/$name.log" 2>&1
     local rc=$? errors ooms note=""
     # the scripts report a measurement that failed as a JSON line and go on: count them
     # ("error", "failed: ...", a parity "mismatch"; "oom" apart)
-    errors=$(grep -cE '"status": "(error|failed|mismatch)' "$out/$name.log")
-    ooms=$(grep -c '"status": "oom"' "$out/$name.log")
+    errors=$(grep -cE '"status": "(error|failed|mismatch)' "$logs/$name.log")
+    ooms=$(grep -c '"status": "oom"' "$logs/$name.log")
     [ "$errors" -gt 0 ] && note=" ($errors measurements failed)"
     [ "$ooms" -gt 0 ] && note="$note ($ooms out of memory)"
-    echo "== $name: rc=$rc in $((SECONDS - t0)) s$note"
-    tail -n 4 "$out/$name.log" | cut -c1-400
+    echo "== $name: rc=$rc in $((SECONDS - t0)) s$note" | tee -a "$logs/summary.txt"
+    tail -n 4 "$logs/$name.log" | cut -c1-400
+    pack
 }
 
 if [ "$part" = wheels ]; then
@@ -136,12 +148,11 @@ if [ "$part" = check ]; then
     step check_bench_train_packed 300 "$py" scripts/bench_train.py --platform cpu --sizes tiny \
         --seqs 256 --attention blockwise --kernels cudnn --rows auto,device,any --repeats 1 \
         --mesh 1,1,1,1 --set model.dtype=bfloat16  # bf16: cuDNN's, so every order is its own
-    rm -rf "$out/check_tiny"
     step check_profile 120 "$py" scripts/profile_attention.py --platform cpu --seqs 512 \
         --heads 4 --head-dim 32 --repeats 1 --trace-calls 1
     step check_packed 120 "$py" scripts/probe_cudnn_packed.py --platform cpu
     step check_tiny 300 "$py" -m lwm train --config configs/tiny.yaml train.steps=2 \
-        train.output_dir="$out/check_tiny" train.batch_size=1 model.attention_kernel=auto
+        train.output_dir="$work/check_tiny" train.batch_size=1 model.attention_kernel=auto
     rm -rf "$block"
     exit 0
 fi
@@ -149,20 +160,19 @@ if [ "$part" = check_demo ]; then  # the demo, tiny, as `demo` runs it there (it
     # first, as `wheels` makes them, without the check: PyAV writes them)
     # shellcheck disable=SC2086
     export LWM_CARRIED=$carried$(names $DEMO_WHEELS $DEMO_SOURCES)
-    tiny=(--out "$out/check_demo" --videos 8 --held-out 2 --vqgan-steps 2 --lm-steps 2
+    tiny=(--out "$work/check_demo" --videos 8 --held-out 2 --vqgan-steps 2 --lm-steps 2
         --shapes-first-steps 1 --mesh 1,1,1,1)
-    rm -rf "$out/check_demo"
     step check_demo_videos 120 env PYTHONPATH="$PWD" "$py" scripts/demo.py "${tiny[@]}" \
         --videos-only
     # --platform gpu: the demo's GPU branch (no --cpu-devices), on the one CPU device JAX sees
     step check_demo 400 "$py" scripts/demo.py "${tiny[@]}" --platform gpu
-    rm -rf "$block" "$out/check_demo"
+    rm -rf "$block" "$work"
     exit 0
 fi
 # which GPU: the device tool lends an H100 (80 GB) unless nvidia-h200 is named; saved with
 # the logs, since the records name no chip
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader |
-    tee "$out/device.txt"
+    tee "$out/device.txt" "$logs/device.txt"
 gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)
 if [ "$part" = longest ] && [ "${gpu_mib:-0}" -lt 120000 ]; then
     # 133.6 GiB planned on the CPU (GPU plans were 0.72-0.83x) + 12.75 of state: an H200 only
@@ -183,7 +193,7 @@ export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda LWM_TRA
 export JAX_COMPILATION_CACHE_DIR=/tmp/lwm_jax_cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=5
 
 python3 -c "import jax; print('jax', jax.__version__, jax.devices(), jax.devices()[0].device_kind)" |
-    tee -a "$out/device.txt"
+    tee -a "$out/device.txt" "$logs/device.txt"
 case $part in
 first)  # one call of at most 9 minutes: the issue's three measurements, tightest first
     step info 30 python3 -m lwm info configs/tiny.yaml model.attention_kernel=auto
@@ -208,7 +218,7 @@ second)  # one call (timeout_s 590), most important first, what the budget leave
     step bench_train_128k 150 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 \
         scripts/bench_train.py --platform gpu --sizes 7b-4l --seqs 131072 --attention blockwise \
         --kernels cudnn --one-document --repeats 2
-    step packed 60 python3 scripts/probe_cudnn_packed.py --platform gpu --out "$out/packed"
+    step packed 60 python3 scripts/probe_cudnn_packed.py --platform gpu --out "$logs/packed"
     ;;
 attention)
     step info 60 python3 -m lwm info configs/tiny.yaml model.attention_kernel=auto
@@ -223,7 +233,10 @@ train)
     step bench_train 330 python3 scripts/bench_train.py --platform gpu --sizes 7b-4l \
         --seqs 8192,32768 --attention blockwise --kernels xla,cudnn --one-document --repeats 5
     step tiny 60 python3 -m lwm train --config configs/tiny.yaml train.steps=30 \
-        train.output_dir="$out/tiny" model.dtype=bfloat16 model.attention_kernel=auto
+        train.output_dir="$work/tiny" model.dtype=bfloat16 model.attention_kernel=auto
+    # its checkpoints stay there (about 110 MB); its log lines come back
+    cp "$work/tiny/metrics.jsonl" "$logs/tiny-metrics.jsonl" 2>/dev/null
+    pack
     ;;
 train_more)  # one call of about 7 minutes (timeout_s 590)
     step bench_train_remat 150 python3 scripts/bench_train.py --platform gpu --sizes 7b-4l \
@@ -261,7 +274,7 @@ packed)  # one call of about 8 minutes (timeout_s 590): packed rows in the train
     step bench_train_one_document 80 python3 scripts/bench_train.py --platform gpu \
         --sizes 7b-4l --seqs 8192 --attention blockwise --kernels cudnn --repeats 3 --one-document
     step packed_8k_3docs 45 python3 scripts/probe_cudnn_packed.py --platform gpu --docs 3 \
-        --out "$out/packed"
+        --out "$logs/packed"
     step packed_32k_16docs 45 python3 scripts/probe_cudnn_packed.py --platform gpu \
         --seq 32768 --docs 16 --no-check
     ;;
@@ -273,7 +286,7 @@ profile)  # and with XLA's command buffers (CUDA graphs) taking conditionals and
     step profile_graphs_all 120 python3 scripts/profile_attention.py --platform gpu \
         --seqs 8192,32768 --impls raw,ours-cudnn,ours-noswitch --compiler-options \
         '{"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE", "xla_gpu_graph_min_graph_size": 1}'
-    grep -h '^{' "$out"/profile*.log | python3 -c '
+    grep -h '^{' "$logs"/profile*.log | python3 -c '
 import json, sys
 for line in sys.stdin:
     r = json.loads(line)
@@ -284,10 +297,12 @@ for line in sys.stdin:
 demo)
     step demo 520 python3 scripts/demo.py --platform gpu
     # what it wrote under runs/demo would not come back: its losses and answers
-    mkdir -p "$out/demo"
+    mkdir -p "$logs/demo"
     for run in shapes lm; do
-        [ -f "runs/demo/$run/metrics.jsonl" ] && cp "runs/demo/$run/metrics.jsonl" "$out/demo/$run-metrics.jsonl"
+        [ -f "runs/demo/$run/metrics.jsonl" ] && cp "runs/demo/$run/metrics.jsonl" "$logs/demo/$run-metrics.jsonl"
     done
-    cp -r runs/demo/lm/eval "$out/demo/" 2>/dev/null
+    cp -r runs/demo/lm/eval "$logs/demo/" 2>/dev/null
     ;;
 esac
+pack
+echo "logs: $out/logs.tgz ($(tar -tzf "$out/logs.tgz" | grep -vc '/$') files, $(du -k "$out/logs.tgz" | cut -f1) KiB)"
