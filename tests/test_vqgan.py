@@ -652,8 +652,121 @@ def test_restricted_unpickler_refuses_code(tmp_path: Path) -> None:
     with pytest.raises(LegacyPickleError, match="is not a pickle of protocol 2 or later"):
         load_legacy_pickle(text)
     path.write_bytes(pickle.dumps({"x": np.array([object()], dtype=object)[:0]}))
-    with pytest.raises(LegacyPickleError, match="builtins.object|object dtype"):
+    with pytest.raises(
+        LegacyPickleError, match="builtins.object|dtype 'O8?' is not a plain numeric dtype"
+    ):
         load_legacy_pickle(path, allow_pickle=True)
+
+
+class _Reduce:
+    """Pickles as ``callable(*args)`` then, with a state, BUILD: to hand-craft numpy pickles."""
+
+    def __init__(self, *reduce):
+        self.reduce = reduce
+
+    def __reduce__(self):
+        return self.reduce
+
+
+def _dtype_with_state(name: str, state: tuple) -> _Reduce:
+    return _Reduce(np.dtype, (name, False, True), state)
+
+
+def test_restricted_unpickler_refuses_crafted_numpy_state(tmp_path: Path) -> None:
+    """numpy's dtype.__setstate__ trusts a pickled dtype's fields, item size and flags: an object
+    field with the "holds objects" flag cleared turned file bytes into object pointers (a crash
+    on first use, or while unpickling for a datetime dtype given fields), and an item size below
+    a field's offset read past the buffer. Such dtypes are refused; plain ones still load."""
+    from numpy._core.multiarray import scalar
+    from numpy._core.numeric import _frombuffer
+
+    obj_field = {"a": (np.dtype("O"), 0)}
+    crafted = {
+        "object field, flags cleared": _Reduce(
+            _frombuffer,
+            (
+                b"A" * 8,
+                _dtype_with_state("V8", (3, "|", None, ("a",), obj_field, 8, 1, 0)),
+                (1,),
+                "C",
+            ),
+        ),
+        "a field past the item size": _Reduce(
+            _frombuffer,
+            (
+                b"\0" * 4,
+                _dtype_with_state(
+                    "V1", (3, "|", None, ("a",), {"a": (np.dtype("f8"), 4096)}, 1, 1, 0)
+                ),
+                (4,),
+                "C",
+            ),
+        ),
+        "a float32 given fields": _Reduce(
+            scalar,
+            (_dtype_with_state("f4", (3, "<", None, ("a",), obj_field, 8, 1, 0)), b"A" * 4),
+        ),
+        "datetime given fields": _dtype_with_state(
+            "M8[s]", (3, "|", None, ("a",), obj_field, 8, 1, 31)
+        ),
+    }
+    path = tmp_path / "crafted.pkl"
+    for what, payload in crafted.items():
+        path.write_bytes(pickle.dumps({"w": payload}, protocol=4))
+        with pytest.raises(LegacyPickleError, match=f"refusing to load '{path}'"):
+            load_legacy_pickle(path, allow_pickle=True)
+            pytest.fail(what)
+    # Plain dtypes load, with their byte order, memory order and scalars, in every protocol.
+    tree = {
+        "big_endian": np.arange(5, dtype=">i4"),
+        "fortran": np.asfortranarray(np.arange(6.0).reshape(2, 3)),
+        "half": np.linspace(0, 1, 4, dtype=np.float16),
+        "flags": np.array([True, False]),
+        "scalars": [np.float32(2.5), np.int8(-3), np.complex64(1j)],
+    }
+    for protocol in (2, 4, 5):
+        path.write_bytes(pickle.dumps(tree, protocol=protocol))
+        got = load_legacy_pickle(path, allow_pickle=True)
+        assert got.keys() == tree.keys()
+        for want, have in zip(jax.tree.leaves(tree), jax.tree.leaves(got), strict=True):
+            assert type(have) is type(want) and np.array_equal(have, want)
+            assert have.dtype.newbyteorder("=") == want.dtype.newbyteorder("=")
+        assert got["fortran"].flags.f_contiguous and got["fortran"].flags.writeable
+
+
+def test_restricted_unpickler_bounds_memory_and_nesting(tmp_path: Path) -> None:
+    """A small file cannot make large allocations (``numpy.ndarray(shape, object)`` filled N
+    slots before the tree was checked), nor loop or crash the tree check: a container inside
+    itself is refused in one line (it was a RecursionError), and a list holding the same list
+    twice, 60 levels deep, loads at once (it took 2**60 steps)."""
+    from numpy._core.multiarray import _reconstruct
+
+    path = tmp_path / "bomb.pkl"
+    for payload, message in [
+        (_Reduce(np.ndarray, ((10**12,), np.dtype("O"))), "calls numpy.ndarray"),
+        (_Reduce(np.ndarray, ((10**12,), np.dtype("f4"))), "calls numpy.ndarray"),
+        (_Reduce(_reconstruct, (np.ndarray, (10**12,), b"b")), "has no data"),
+        (
+            _Reduce(
+                _reconstruct, (np.ndarray, (0,), b"b"), (1, (10**12,), np.dtype("f4"), False, b"")
+            ),
+            r"needs 4000000000000 bytes, the file has 0",
+        ),
+    ]:
+        path.write_bytes(pickle.dumps({"w": payload}, protocol=4))
+        with pytest.raises(LegacyPickleError, match=f"refusing to load '{path}': .*{message}"):
+            load_legacy_pickle(path, allow_pickle=True)
+    loop: list = []
+    loop.append(loop)
+    path.write_bytes(pickle.dumps({"w": loop}, protocol=4))
+    with pytest.raises(LegacyPickleError, match="the container at 'w/0' contains itself"):
+        load_legacy_pickle(path, allow_pickle=True)
+    shared: list = []
+    for _ in range(60):
+        shared = [shared, shared]
+    path.write_bytes(pickle.dumps({"w": shared}, protocol=4))
+    got = load_legacy_pickle(path, allow_pickle=True)
+    assert got["w"][0] is got["w"][1]
 
 
 def test_cli_import_and_refusal(tmp_path: Path) -> None:
