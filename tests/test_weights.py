@@ -430,6 +430,20 @@ def test_lwm_errors_name_the_tensor_and_file(tmp_path):
         load_lwm_streaming(bad, source.cfg)
     with pytest.raises(WeightsError, match="nowhere' does not exist"):
         load_lwm_streaming(f"params::{tmp_path / 'nowhere'}", source.cfg)
+    # Malformed entries are one WeightsError naming the file (they were a TypeError, or a
+    # ValueError from casting an array of strings, both tracebacks), and its arrays numbers.
+    norm = ("transformer", "ln_f", "kernel")
+    strings = msgpack.packb(  # flax's chunked-array form rebuilds any msgpack list as an array
+        {"__msgpack_chunked_array__": True, "shape": {"0": 32}, "chunks": {"0": ["x"] * 32}}
+    )
+    for name, entry, message in [
+        ("key", (7, flax.serialization.to_bytes(np.zeros(3))), "not a streaming checkpoint"),
+        ("value", (list(norm), 5), "not a streaming checkpoint"),
+        ("strings", (list(norm), strings), "entry 'transformer/ln_f/kernel' holds <U1, not"),
+    ]:
+        (tmp_path / name).write_bytes(packer.pack(entry))
+        with pytest.raises(WeightsError, match=f"{tmp_path / name}: {message}"):
+            load_lwm_streaming(tmp_path / name, source.cfg)
     with pytest.raises(WeightsError, match="no grouped-query attention"):
         save_lwm_streaming(create_model(lwm_cfg(num_kv_heads=2)), tmp_path / "gqa")
     with pytest.raises(WeightsError, match="model.rope_dims 8 cannot be saved"):

@@ -156,7 +156,13 @@ def iter_streaming(path: str | os.PathLike) -> Iterator[tuple[tuple[str, ...], A
                     raise WeightsError(f"{path}: not a streaming checkpoint (entry {entry!r:.60})")
                 key, value = entry
                 yield tuple(str(k) for k in key), msgpack_restore(value)
-        except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError) as e:
+        except (
+            msgpack.ExtraData,
+            msgpack.FormatError,
+            msgpack.StackError,
+            ValueError,
+            TypeError,
+        ) as e:
             if isinstance(e, WeightsError):
                 raise
             raise WeightsError(f"{path}: not a streaming checkpoint ({e})") from None
@@ -217,6 +223,8 @@ def load_lwm_streaming(
         tensor = "/".join(raw_key)
         if not isinstance(value, np.ndarray):
             raise WeightsError(f"{file}: entry '{tensor}' is not an array")
+        if not (value.dtype.kind in "biuf" or value.dtype == np_dtype("bfloat16")):
+            raise WeightsError(f"{file}: entry '{tensor}' holds {value.dtype}, not numbers")
         if key in top:
             name = top[key]
             if (name == "lm_head" and cfg.tie_word_embeddings) or (
