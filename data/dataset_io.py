@@ -25,6 +25,7 @@ import numpy as np
 __all__ = [
     "DATASET_NAME",
     "ShardWriter",
+    "check_features_file",
     "features",
     "lengths_path",
     "read_lengths",
@@ -116,6 +117,38 @@ def write_metadata(
         description=description,
         metadata=tfds.core.MetadataDict(metadata),
     )
+
+
+def check_features_file(directory: str | os.PathLike) -> None:
+    """Refuse (ValueError) a ``features.json`` that names a feature class outside
+    tensorflow_datasets: tfds imports the module of every ``pythonClassName`` it reads, so a
+    dataset received from someone else could otherwise make the reader import any module (one
+    installed, or one beside where the command runs). Ours name tfds's own classes only."""
+    import json
+
+    path = Path(directory) / "features.json"
+    if not path.is_file():
+        return  # tfds says what is missing
+    try:
+        content = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"'{path}' is not readable JSON: {e}") from None
+    names: list[Any] = []
+    stack = [content]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if "pythonClassName" in node:
+                names.append(node["pythonClassName"])
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    for name in names:
+        if not (isinstance(name, str) and name.startswith("tensorflow_datasets.core.features.")):
+            raise ValueError(
+                f"'{path}' names the feature class {name!r:.80}, which is not one of "
+                "tensorflow_datasets' own: refusing to import it"
+            )
 
 
 def read_lengths(directory: str | os.PathLike, split: str, source: Any) -> np.ndarray:

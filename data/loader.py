@@ -60,7 +60,7 @@ from data.batches import (
     make_training_batch,
     turn_segment_ids,
 )
-from data.dataset_io import read_lengths
+from data.dataset_io import check_features_file, read_lengths
 from data.tokens import frame_cells, frame_window, loss_weight, record_turns, window_offsets
 
 __all__ = ["PackingPlan", "TokenDatasetLoader", "plan_epoch"]
@@ -168,6 +168,7 @@ class TokenDatasetLoader:
                 f"'{path}' is not a token dataset (no dataset_info.json); make one with "
                 "`lwm tokenize`"
             )
+        check_features_file(path)  # before tfds imports the modules it names
         builder = tfds.builder_from_directory(os.fspath(path))
         if split not in builder.info.splits:
             raise ValueError(

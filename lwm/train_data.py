@@ -52,17 +52,20 @@ def build_loader(cfg: Config, seq_len: int, layout: np.ndarray | None) -> Loader
         )
     from data.loader import TokenDatasetLoader  # the `lwm tokenize` datasets
 
-    loader = TokenDatasetLoader(
-        data.source,
-        split=data.split,
-        seed=data.shuffle_seed,
-        pack=data.pack,
-        qa_turns=data.qa_turns,
-        chained_share=data.qa_chained_share,
-        read_threads=data.read_threads,
-        prefetch=data.prefetch,
-        **common,
-    )
+    try:
+        loader = TokenDatasetLoader(
+            data.source,
+            split=data.split,
+            seed=data.shuffle_seed,
+            pack=data.pack,
+            qa_turns=data.qa_turns,
+            chained_share=data.qa_chained_share,
+            read_threads=data.read_threads,
+            prefetch=data.prefetch,
+            **common,
+        )
+    except ValueError as e:  # a dataset that does not fit the settings, or one refused
+        raise TrainingInputError(str(e)) from None
     check_dataset(data.source, loader.metadata, cfg.model)
     return loader
 

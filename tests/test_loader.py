@@ -257,6 +257,9 @@ def test_training_refuses_a_dataset_with_other_markers_vocabularies_or_grid(tmp_
         return build_loader(cfg, SEQ, None)
 
     assert loader_for(dataset("ok"), "train.batch_size=4")
+    # what the loader itself refuses is one line too (a traceback before)
+    with pytest.raises(TrainingInputError, match="has no split 'bogus'; it has train"):
+        loader_for(tmp_path / "ok", "train.batch_size=4", "data.split=bogus")
     moved = dataset("moved", markers={"eof": EOF_ID + 10, "eov": EOV_ID + 10})
     with pytest.raises(TrainingInputError, match=f"uses {{'eof': {EOF_ID}, 'eov': {EOV_ID}}}"):
         loader_for(moved, "train.batch_size=4")
@@ -326,3 +329,26 @@ def test_the_demos_tight_rows_hold_the_same_records_as_rows_of_1024(tmp_path, le
     a, b = plan_epoch(order, sizes, 1024, pack=True), plan_epoch(order, sizes, tight, pack=True)
     assert a.num_rows == b.num_rows
     assert all(a.row(r) == b.row(r) for r in range(a.num_rows))
+
+
+def test_a_dataset_naming_a_foreign_feature_class_is_refused_before_tfds_imports_it(
+    dataset, tmp_path, monkeypatch
+):
+    """tfds imports the module of every `pythonClassName` in features.json: a dataset from
+    someone else could make the loader import any module it can reach (here one beside where
+    the command runs). The loader refuses such a dataset in one line and imports nothing."""
+    import shutil
+
+    marker = tmp_path / "imported"
+    (tmp_path / "evil_features.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    bad = tmp_path / "ds"
+    shutil.copytree(dataset, bad)
+    features = json.loads((bad / "features.json").read_text())
+    kind = features["featuresDict"]["features"]["kind"]
+    kind["pythonClassName"] = "evil_features.Text"
+    (bad / "features.json").write_text(json.dumps(features))
+    with pytest.raises(ValueError, match=r"names the feature class 'evil_features.Text', which"):
+        loader(bad)
+    assert not marker.exists() and "evil_features" not in sys.modules
+    assert loader(dataset).batches_in_epoch(0) > 0  # tfds's own classes load as before
