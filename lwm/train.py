@@ -423,13 +423,10 @@ def _log_changes(found: Config, cfg: Config, start: int, output: Path, schedule,
 
     sections = ("model", "train", "data", "eval")
     first = jax.process_index() == 0
-    changed = keep_config_before_changes(output, found, cfg, sections, start, write=first)
-    if not changed:
+    changes = keep_config_before_changes(output, found, cfg, sections, start, write=first)
+    if changes is None:
         return
-    log(
-        f"resuming with other settings than the run's: {'; '.join(changed)} (its config until "
-        f"step {start} kept as config.until-{start}.yaml)"
-    )
+    log(changes)
     if found.train.steps != cfg.train.steps and cfg.train.schedule != "constant":
         before, after = optimizer_from_config(found.train)[1], schedule
         log(

@@ -352,12 +352,9 @@ def train(
         return finished
     if start < t.steps:  # the settings the steps to come run with
         if saved is not None and start > 0:
-            changed = keep_config_before_changes(out, saved, cfg, RESUME_SECTIONS, start)
-            if changed:
-                log(
-                    f"resuming with other settings than the run's: {'; '.join(changed)} (its "
-                    f"config until step {start} kept as config.until-{start}.yaml)"
-                )
+            changes = keep_config_before_changes(out, saved, cfg, RESUME_SECTIONS, start)
+            if changes is not None:
+                log(changes)
         write_config(out, cfg)
     step_fn = make_train_step(cfg)
     batch_sharding = NamedSharding(mesh, BATCH)

@@ -156,14 +156,15 @@ def keep_config_before_changes(
     start: int,
     write: bool = True,
     ignore: Sequence[str] = ("train.output_dir",),
-) -> list[str]:
-    """The settings of ``sections`` (fields of the root config: sections, or single values)
-    that a run resumed at step ``start`` changes from its saved config ``found``, worded as
-    `setting_differences` words them. Where there are any, ``found`` is kept as
-    ``OUTPUT/config.until-START.yaml`` before the caller rewrites ``config.yaml``, unless an
-    earlier resume at the same step kept one: that one holds the settings steps 1..START ran
-    with (the run since lost its later steps). ``write``: False on all processes but one.
-    ``ignore``: settings not named (by default where the run is: a run's folder may move)."""
+) -> str | None:
+    """The line to log when a run resumed at step ``start`` changes settings of ``sections``
+    (fields of the root config: sections, or single values) from its saved config ``found``,
+    naming them as `setting_differences` words them; None when it changes none. Where there
+    are any, ``found`` is kept as ``OUTPUT/config.until-START.yaml`` before the caller rewrites
+    ``config.yaml``, unless an earlier resume at the same step kept one: that one holds the
+    settings steps 1..START ran with (the run since lost its later steps). ``write``: False on
+    all processes but one. ``ignore``: settings not named (by default where the run is: a
+    run's folder may move)."""
     changed = []
     for name in sections:
         there, here = getattr(found, name), getattr(wanted, name)
@@ -172,10 +173,15 @@ def keep_config_before_changes(
             changed += setting_differences(there, here, name, named)
         elif there != here:
             changed.append(f"{name}: {there} there, {here} here")
+    if not changed:
+        return None
     kept = Path(output) / f"config.until-{start}.yaml"
-    if changed and write and not kept.exists():
+    if write and not kept.exists():
         kept.write_text(config_to_yaml(found))
-    return changed
+    return (
+        f"resuming with other settings than the run's: {'; '.join(changed)} (its config until "
+        f"step {start} kept as {kept.name})"
+    )
 
 
 def config_to_yaml(config: BaseModel) -> str:
