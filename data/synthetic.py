@@ -6,7 +6,7 @@ Each video shows 1 to ``max_objects`` shapes (circle, square, triangle) in disti
 without leaving the frame or touching another shape; optionally a "needle" (a shape in a colour
 no other shape has) appears in exactly one frame. Sizes and distances are fractions of the
 frame (``radius``, ``travel``): shapes must stay large enough for the video tokenizer's code
-grid to tell them apart (`scripts/probe_vqgan.py` measures what a VQGAN keeps).
+grid to tell them apart (docs/vqgan.md says what a VQGAN keeps).
 
 Every kept video is checked against its own pixels: `data.synthetic_check` measures the
 rendered frames without the spec (colours present, shape of each mask, direction of motion,
@@ -98,7 +98,7 @@ _BOUND = 1.25
 # Shape sizes and distances travelled over the whole video, as fractions of the frame size.
 RADIUS: tuple[float, float] = (0.09, 0.14)
 TRAVEL: tuple[float, float] = (0.15, 0.35)
-# The demo's world (`sample_video` keywords), used by scripts/demo.py and everything built on
+# The demo's world (`sample_video` keywords), used by recipes/demo.py and everything built on
 # its models (needle evaluation, the context-extension and text-to-video scripts, probes):
 # 32x32 frames (8x8 codes of the demo VQGAN) with up to two shapes, as large as two still fit
 # with room to move, so that a circle and a square differ in more than a few pixels.

@@ -120,7 +120,7 @@ def run_reporting_errors(
     """``run()``'s exit status (None: 0), with the errors of the user's input
     (`user_errors`, ``also``, or a path of the wrong kind) as one line ``WHO: error: ...`` and
     status 2, Ctrl-C as ``WHO: interrupted`` and 130, and a reader that left the pipe as
-    status 1: how every `lwm` verb, and the scripts under scripts/, end. With the environment
+    status 1: how every `lwm` verb, and the scripts under recipes/, benchmarks/ and tools/, end. With the environment
     variable ``LWM_TRACEBACK=1`` an input error is raised instead, traceback and all (the
     scripts take any ``ValueError`` for one, so a fault of their own would lose its place)."""
     try:

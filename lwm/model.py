@@ -104,7 +104,7 @@ def row_schedule(
     orders: tuple[str, ...] = ROW_ORDERS,
 ) -> tuple[str, int]:
     """A batch's `row_order` and, for rows in order, its `row_reach` (else 0): the ``rows``
-    and ``reach`` its train step is compiled for (`lwm train`, `scripts/bench_train.py`)."""
+    and ``reach`` its train step is compiled for (`lwm train`, `benchmarks/bench_train.py`)."""
     order = row_order(positions, segment_ids, layout, sp, orders)
     return order, row_reach(segment_ids) if order == "in_order" else 0
 

@@ -3,7 +3,7 @@
 Parameters are an `nnx.State` (the model's graph definition is static); the optimizer is optax.
 `abstract_train_state` describes parameters and optimizer state as sharded
 `jax.ShapeDtypeStruct`s without allocating them, so a step can be compiled ahead of time for a
-model that does not fit this host (`scripts/aot_compile.py`).
+model that does not fit this host (`tools/aot_compile.py`).
 """
 
 from __future__ import annotations
@@ -395,8 +395,8 @@ def jit_train_step(
     rows: str | None = None,
     reach: int = 0,
 ):
-    """The jitted training step `lwm train` runs, and the one `scripts/aot_compile.py` and
-    `scripts/bench_train.py` compile: parameters and optimizer state keep the shardings their
+    """The jitted training step `lwm train` runs, and the one `tools/aot_compile.py` and
+    `benchmarks/bench_train.py` compile: parameters and optimizer state keep the shardings their
     leaves carry in ``params`` / ``opt_state`` (abstract ones from `abstract_train_state`),
     the batch is sharded by `batch_sharding`, and both state buffers are donated. ``rows``,
     ``reach``: what is known of the batches' rows it is for (`train_step`)."""

@@ -243,24 +243,30 @@ def test_many_processes_without_a_coordinator_are_refused() -> None:
     init_distributed(DistributedConfig(num_processes=1))  # one process: nothing to join
 
 
+SCRIPT_FOLDERS = ("recipes", "benchmarks", "tools")
+
+
+def all_scripts() -> list[Path]:
+    """Every runnable script of the repository: recipes, benchmarks and tools."""
+    return sorted(p for folder in SCRIPT_FOLDERS for p in (ROOT / folder).glob("*.py"))
+
+
+def script_path(name: str) -> Path:
+    (path,) = [p for p in all_scripts() if p.stem == name]
+    return path
+
+
 @pytest.mark.parametrize(
     "script, args, message",
     [
         ("bench_generate", ["--config", "/nowhere.yaml"], "config file '/nowhere.yaml' not found"),
         ("bench_train", ["--attention", "bogus"], "unknown --attention 'bogus' (known: dense,"),
-        ("probe_cudnn_memory", ["--cases", "sacn"], "unknown case 'sacn' (attention: plain or"),
+        ("cudnn_memory", ["--cases", "sacn"], "unknown case 'sacn' (attention: plain or"),
         ("bench_loader", ["--batches", "0"], "--batches, --prefetch and --min-len must be at"),
         ("bench_vqgan", ["--ops", "encdoe"], "unknown --ops 'encdoe' (known: encode, decode)"),
         ("bench_attention", ["--heads", "0"], "--heads must be at least 1, not 0"),
         ("bench_attention", ["--seqs", "500"], "sequence length 500 is not a positive multiple"),
         ("build_text_tokenizer", ["--vocab-size", "0"], "--vocab-size 0 is below 261"),
-        ("probe_vqgan", ["--vqgan", "x", "--frames", "2"], "--frames 2 is below 3"),
-        ("probe_vqgan", ["--vqgan", "x", "--videos", "1"], "--videos 1 is below 2: the probe"),
-        (
-            "probe_world_model",
-            [*["--run", "r", "--vqgan", "v", "--tokenizer", "t"], "--frames", "1"],
-            "--frames 1 is below 3",
-        ),
         ("demo", ["--mesh", "1,1,3"], "--mesh: mesh shape '1,1,3' must have 4 comma-separated"),
         ("text_to_video", ["--vqgan", "/nowhere"], "--vqgan '/nowhere' does not exist"),
         ("long_context", ["--clip-frames", "2"], "--clip-frames 2 is below 3"),
@@ -279,7 +285,7 @@ def test_a_script_given_bad_input_says_so_in_one_line(script, args, message) -> 
     line naming it, exit 2, nothing on stdout (several were tracebacks, or ran anyway: an
     unknown --attention timed blockwise under its name, an unknown case ran as plain)."""
     result = subprocess.run(
-        [sys.executable, f"scripts/{script}.py", *args],
+        [sys.executable, str(script_path(script)), *args],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert result.returncode == 2 and result.stdout == "", result.stderr
@@ -288,7 +294,7 @@ def test_a_script_given_bad_input_says_so_in_one_line(script, args, message) -> 
 
 
 def test_every_script_ends_through_the_verbs_error_reporting() -> None:
-    for script in sorted((ROOT / "scripts").glob("*.py")):
+    for script in all_scripts():
         text = script.read_text()
         if '__name__ == "__main__"' in text:
             assert f'run_reporting_errors("{script.stem}", main' in text, script.name
@@ -299,7 +305,7 @@ def test_bench_attention_records_the_block_each_impl_computes_with() -> None:
     it computes with blocks of 16 whatever --block asks (the record said 512); dense has
     none."""
     result = subprocess.run(
-        [sys.executable, "scripts/bench_attention.py", "--seqs", "256", "--block", "512"]
+        [sys.executable, "benchmarks/bench_attention.py", "--seqs", "256", "--block", "512"]
         + ["--impls", "ours,dense", "--modes", "fwd", "--repeats", "1", "--heads", "1"]
         + ["--head-dim", "8"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
@@ -315,7 +321,7 @@ def test_every_option_of_the_verbs_and_scripts_has_help() -> None:
     import ast
 
     bare = []
-    for path in sorted([*ROOT.glob("scripts/*.py"), *ROOT.glob("lwm/**/*.py")]):
+    for path in sorted([*all_scripts(), *ROOT.glob("lwm/**/*.py")]):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument":
                 kinds = {k.arg: getattr(k.value, "value", None) for k in node.keywords}
@@ -328,7 +334,7 @@ def test_every_option_of_the_verbs_and_scripts_has_help() -> None:
 def test_the_demo_rerun_with_other_videos_into_its_folder_is_refused(tmp_path) -> None:
     """The demo reuses the videos and tokens under --out: a rerun asking for others is one
     line naming them, exit 2 (it went on with the old ones without a word)."""
-    demo = [sys.executable, "scripts/demo.py", "--out", str(tmp_path), "--videos-only"]
+    demo = [sys.executable, "recipes/demo.py", "--out", str(tmp_path), "--videos-only"]
     first = subprocess.run(
         [*demo, "--videos", "2", "--held-out", "2", "--frames", "3"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
@@ -347,7 +353,7 @@ def test_the_demo_rerun_with_other_videos_into_its_folder_is_refused(tmp_path) -
 def test_lwm_traceback_shows_where_an_input_error_came_from() -> None:
     """`LWM_TRACEBACK=1` raises what would be one line (a script takes any ValueError for bad
     input: a fault of its own would otherwise lose its traceback)."""
-    cmd = [sys.executable, "scripts/bench_attention.py", "--heads", "0"]
+    cmd = [sys.executable, "benchmarks/bench_attention.py", "--heads", "0"]
     env = dict(os.environ, LWM_TRACEBACK="1")
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 1 and "Traceback (most recent call last)" in result.stderr
@@ -355,14 +361,10 @@ def test_lwm_traceback_shows_where_an_input_error_came_from() -> None:
 
 
 def test_a_failed_measurement_keeps_its_traceback_when_asked(monkeypatch, capsys) -> None:
-    """A benchmark records a failed case as one JSON line and goes on (`steps.failed_status`);
-    with `LWM_TRACEBACK=1` (as `scripts/gpu_session.sh` sets on the device) the case's
+    """A benchmark records a failed case as one JSON line and goes on (`lwm.scripting.failed_status`);
+    with `LWM_TRACEBACK=1` the case's
     traceback goes to stderr as well, naming the function that raised; without it, nothing."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        from steps import failed_status
-    finally:
-        sys.path.remove(str(ROOT / "scripts"))
+    from lwm.scripting import failed_status
 
     def kernel_that_fails() -> None:
         raise RuntimeError("RESOURCE_EXHAUSTED: out of memory\nwhile allocating 9 GiB")

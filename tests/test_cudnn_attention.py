@@ -34,7 +34,7 @@ from lwm.attention.blockwise import resolve_kernel
 from lwm.attention.layout import zigzag_permutation
 
 ON_GPU = jax.default_backend() == "gpu"
-if os.environ.get("LWM_REQUIRE_GPU") == "1" and not ON_GPU:  # scripts/gpu_session.sh's parity
+if os.environ.get("LWM_REQUIRE_GPU") == "1" and not ON_GPU:  # a run on a GPU must not skip
     raise RuntimeError(
         f"LWM_REQUIRE_GPU=1, but JAX runs on {jax.default_backend()}: the GPU tests would skip"
     )
@@ -621,7 +621,7 @@ def test_layers_in_a_scan_do_not_hoist_quadratic_masks():
     root = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
     run = subprocess.run(
-        [sys.executable, str(root / "scripts" / "probe_cudnn_memory.py"), "--seq", "4096"]
+        [sys.executable, str(root / "benchmarks" / "cudnn_memory.py"), "--seq", "4096"]
         + ["--heads", "4", "--head-dim", "32", "--piece", "256"]
         + ["--cases", "scan,scan-nosplit,scan-xla"],
         capture_output=True,

@@ -307,15 +307,10 @@ def test_grain_read_ahead_gives_the_plain_readers_batches_and_states(dataset):
     [((369, 411), 832), ((276, 289), 896), ((600, 700), 704), ((300, 411), None)],
 )
 def test_the_demos_tight_rows_hold_the_same_records_as_rows_of_1024(tmp_path, lengths, tight):
-    path = Path(__file__).resolve().parents[1] / "scripts" / "demo.py"
-    scripts = str(path.parent)
-    sys.path.insert(0, scripts)  # the demo imports scripts/steps.py
-    try:
-        spec = importlib.util.spec_from_file_location("demo_script", path)
-        demo = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(demo)
-    finally:
-        sys.path.remove(scripts)
+    path = Path(__file__).resolve().parents[1] / "recipes" / "demo.py"
+    spec = importlib.util.spec_from_file_location("demo_script", path)
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
     rng = np.random.default_rng(0)
     sizes = rng.integers(lengths[0], lengths[1] + 1, 500)
     sizes[:2] = lengths  # the shortest and the longest are there

@@ -537,7 +537,7 @@ LWM_TINY = dict(
 
 
 def _lwm_reference():
-    """`scripts/lwm_vqgan_reference.py`: LWM's linen architecture, re-expressed."""
+    """`benchmarks/lwm_vqgan_reference.py`: LWM's linen architecture, re-expressed."""
     import importlib.util
 
     path = Path(__file__).resolve().parents[1] / "scripts" / "lwm_vqgan_reference.py"

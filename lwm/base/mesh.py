@@ -110,7 +110,7 @@ def use_platform(platform: str, cpu_devices: int = 8) -> None:
 
 def tpu_topology_devices(topology: str) -> list:
     """The devices of a TPU slice of ``topology`` (``v5p:8x8x4``) to compile for without it,
-    as `scripts/aot_compile.py` does: a `MeshError` naming ``--topology`` where JAX cannot
+    as `tools/aot_compile.py` does: a `MeshError` naming ``--topology`` where JAX cannot
     describe it (no libtpu installed, or a name libtpu does not know)."""
     from jax.experimental import topologies
 

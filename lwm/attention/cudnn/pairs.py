@@ -92,7 +92,7 @@ def _tied(positional, operands):
     alone (a pair's kind, so its switch, and in each branch its constants and masks), and the
     pieces of a pair stack theirs: temporaries quadratic in the sequence (34 GiB for 4 layers
     at 8K from the masks; later 100 GiB for the 1.14B model at 128K from every piece's zeros;
-    `scripts/probe_cudnn_memory.py`, docs/benchmarks.md)."""
+    docs/benchmarks.md)."""
     return lax.optimization_barrier((positional, operands))
 
 

@@ -2,20 +2,20 @@
 AdamW) for two model sizes and two sequence lengths, ring attention against dense attention,
 side by side in one process on 8 simulated CPU devices, or on the NVIDIA GPUs JAX sees.
 
-    python scripts/bench_train.py                       # defaults below
-    python scripts/bench_train.py --sizes tiny --seqs 2048 --repeats 5
+    python benchmarks/bench_train.py                       # defaults below
+    python benchmarks/bench_train.py --sizes tiny --seqs 2048 --repeats 5
     # one GPU: LWM-7B's width with 4 layers (1.14B parameters), bf16 compute, fp32 parameters,
     # blockwise attention with the XLA and the cuDNN block kernel side by side
-    python scripts/bench_train.py --platform gpu --sizes 7b-4l --seqs 8192,32768 \
+    python benchmarks/bench_train.py --platform gpu --sizes 7b-4l --seqs 8192,32768 \
         --attention blockwise --kernels xla,cudnn --one-document
-    python scripts/bench_train.py --sizes small --seqs 1024 --attention ring --batch 8 \
+    python benchmarks/bench_train.py --sizes small --seqs 1024 --attention ring --batch 8 \
         --dataset runs/demo/tokens --repeats 20     # batches read from a token dataset
     # long context on one GPU: the MLP and the loss computed 8K tokens at a time
-    python scripts/bench_train.py --platform gpu --sizes 7b-4l --seqs 262144 \
+    python benchmarks/bench_train.py --platform gpu --sizes 7b-4l --seqs 262144 \
         --attention blockwise --kernels cudnn --one-document \
         --set model.mlp_chunk_size=8192 --set model.logits_chunk_size=8192
     # packed rows (a conditional per piece and layer) with XLA's command buffers taking them
-    python scripts/bench_train.py --platform gpu --sizes 7b-4l --seqs 8192 \
+    python benchmarks/bench_train.py --platform gpu --sizes 7b-4l --seqs 8192 \
         --attention blockwise --kernels cudnn --compiler-options \
         '{"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE"}'
 
@@ -42,7 +42,6 @@ import typing
 import jax
 import numpy as np
 from flax import nnx
-from steps import check_choices, failed_status  # scripts/steps.py
 
 from data.batches import SyntheticTokenLoader
 from lwm.base.mesh import MeshError, make_mesh, use_platform
@@ -56,6 +55,7 @@ from lwm.model import (
     row_schedule,
     sequence_layout,
 )
+from lwm.scripting import check_choices, failed_status
 from lwm.train_step import (
     abstract_train_state,
     batch_sharding,
@@ -298,7 +298,7 @@ def main() -> int:
         "--compiler-options",
         type=json.loads,
         help="XLA options for compiling the step, as JSON (e.g. XLA's command buffers taking "
-        "conditionals too, as scripts/profile_attention.py measures them)",
+        "conditionals too, as benchmarks/profile_attention.py measures them)",
     )
     p.add_argument(
         "--one-document",

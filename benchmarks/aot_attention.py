@@ -5,7 +5,7 @@ for a TPU topology the Pallas kernels go through libtpu's Mosaic compiler.
 
     # needs libtpu (pip install -e '.[aot]', in its own virtual environment: docs/aot.md)
     TPU_ACCELERATOR_TYPE=v5p-8 TPU_WORKER_HOSTNAMES=localhost \\
-      python scripts/aot_attention.py --topology v5p:2x2x1 --mesh 1,1,4,1 --seq 32768 --kernel pallas
+      python benchmarks/aot_attention.py --topology v5p:2x2x1 --mesh 1,1,4,1 --seq 32768 --kernel pallas
 
 Shapes: batch 1, ``--heads`` query and key/value heads of 128, bfloat16, one segment id per
 token (the packed-row path), causal, blocks of ``--block``, positions 0..seq-1; the loss of

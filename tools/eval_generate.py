@@ -1,6 +1,6 @@
 """Score text-to-video generation on the synthetic world: does the clip show what the caption says?
 
-    python scripts/eval_generate.py --model run:runs/t2v/lm --videos runs/t2v/videos/held_out/videos.jsonl \\
+    python tools/eval_generate.py --model run:runs/t2v/lm --videos runs/t2v/videos/held_out/videos.jsonl \\
         --train-videos runs/t2v/videos/train/videos.jsonl --frames 4 --out runs/t2v/generate.jsonl
 
 Every held-out video of one moving shape (no needle) gives a prompt, its caption ("One shape on

@@ -8,18 +8,18 @@ Commands (the ones behind ``docs/benchmarks.md``; raw output in ``docs/bench_att
 
     # default sweep: ours / ringattention / dense, fwd and fwd_bwd, seq 4K..32K, after checking
     # ours and ringattention against dense (outputs and gradients) at seq 2048
-    .venv/bin/python scripts/bench_attention.py --check
+    .venv/bin/python benchmarks/bench_attention.py --check
     # single-device blockwise forward vs a matmul of the same FLOPs
-    .venv/bin/python scripts/bench_attention.py --efficiency-only --repeats 7
+    .venv/bin/python benchmarks/bench_attention.py --efficiency-only --repeats 7
     # long context, ours only (fwd 64K and 128K, fwd_bwd 32K); cases can be run one at a time
-    .venv/bin/python scripts/bench_attention.py --long --repeats 1
-    .venv/bin/python scripts/bench_attention.py --long --long-cases fwd:131072 --repeats 1
+    .venv/bin/python benchmarks/bench_attention.py --long --repeats 1
+    .venv/bin/python benchmarks/bench_attention.py --long --long-cases fwd:131072 --repeats 1
     # one target case with more rounds
-    .venv/bin/python scripts/bench_attention.py --seqs 16384 --modes fwd_bwd \
+    .venv/bin/python benchmarks/bench_attention.py --seqs 16384 --modes fwd_bwd \
         --impls ours,ringattention --repeats 5
 
     # a quick smoke run while developing
-    .venv/bin/python scripts/bench_attention.py --seqs 2048 --block 256 --repeats 1 --check
+    .venv/bin/python benchmarks/bench_attention.py --seqs 2048 --block 256 --repeats 1 --check
 
 FLOP convention (``tflops`` field): a causal forward counts the two matmuls (QK^T and PV),
 ``4 * b * h * s^2 * d``, halved for the causal mask; a backward pass counts 2.5x the forward

@@ -1,7 +1,7 @@
 """A context-extension run that shows it: video needle retrieval across lengths, before and after
 a longer-context stage, as LWM shows its stages (needle heatmaps over length x depth).
 
-    python scripts/long_context.py --vqgan runs/demo/vqgan --init runs/demo/lm   # after the demo
+    python recipes/long_context.py --vqgan runs/demo/vqgan --init runs/demo/lm   # after the demo
 
 Without --init, stage 1 starts from scratch (and without --vqgan the script trains a VQGAN as
 the demo does); README.md says what each was measured to reach.
@@ -36,7 +36,7 @@ import sys
 import time
 from pathlib import Path
 
-from steps import ROOT, check_mesh, check_vqgan, demo_vqgan_command, run_step  # scripts/steps.py
+from lwm.scripting import ROOT, check_mesh, check_vqgan, demo_vqgan_command, run_step
 
 sys.path.insert(0, str(ROOT))
 from data.synthetic import DEMO_WORLD  # noqa: E402

@@ -3,10 +3,10 @@ have, and print the per-device memory the compiler plans. Lets you check that a 
 fits before renting the hardware.
 
     # 8 simulated CPU devices on this host (LWM-7B at 32K tokens):
-    python scripts/aot_compile.py configs/7b.yaml --seq 32768 --mesh 1,1,8,1
+    python tools/aot_compile.py configs/7b.yaml --seq 32768 --mesh 1,1,8,1
     # a TPU topology (needs `pip install -e '.[aot]'`, which brings libtpu):
     TPU_ACCELERATOR_TYPE=v5p-512 TPU_WORKER_HOSTNAMES=localhost \\
-      python scripts/aot_compile.py configs/7b_1m.yaml --topology v5p:8x8x4 --mesh 1,8,32,1
+      python tools/aot_compile.py configs/7b_1m.yaml --topology v5p:8x8x4 --mesh 1,8,32,1
 
 Prints one JSON line with the compiler's per-device sizes (arguments, outputs, temporaries,
 generated code), its cost analysis (FLOPs and bytes accessed) and the parameter / optimizer

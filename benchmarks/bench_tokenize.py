@@ -1,7 +1,7 @@
 """Throughput of `lwm tokenize` on a folder of synthetic videos: videos/s, frames/s and the
 share of the time the VQGAN encoder is busy, for several numbers of decoding workers.
 
-    python scripts/bench_tokenize.py --videos 64 --size 64 --frames 16 --workers 0,1,2 \
+    python benchmarks/bench_tokenize.py --videos 64 --size 64 --frames 16 --workers 0,1,2 \
         --vqgan-config configs/vqgan/tiny.yaml
 
 ``--vqgan PATH`` uses a saved VQGAN instead of a randomly initialised one of ``--vqgan-config``

@@ -1,7 +1,7 @@
 """Where the time of one attention fwd+bwd call goes, per implementation, on one device.
 
 For each implementation and sequence length it compiles ``grad(sum(attention(q, k, v) * ct))``,
-times it (median wall time of ``--repeats`` calls, as `scripts/bench_attention.py` does), then
+times it (median wall time of ``--repeats`` calls, as `benchmarks/bench_attention.py` does), then
 records ``--trace-calls`` calls with JAX's profiler and reads the trace back
 (`jax.profiler.ProfileData`): the device time the kernels took per call, the gap between the
 wall time and that busy time, and the kernels that took the most. It also counts the ops of
@@ -15,16 +15,16 @@ Implementations (all bfloat16, causal, one document, ``--heads`` x ``--head-dim`
   (forward with its float32 log-sum-exp, backward from the global output and log-sum-exp),
   nothing else: the floor of our API;
 - ``ours-cudnn``: `lwm.attention.ring_attention` with ``kernel="cudnn"`` on a one-device mesh,
-  positions passed (what `scripts/bench_attention.py` times);
+  positions passed (what `benchmarks/bench_attention.py` times);
 - ``ours-cudnn-doc``: the same without positions, ``layout="zigzag"`` (one document in a
   known order: no run-time choice at all, `lwm.attention.cudnn`);
 - ``ours-noswitch``: the same with every pair's run-time choice of kernel (``lax.switch``)
   replaced by its causal branch while tracing (right for these inputs: one document, in order):
   what the choice costs.
 
-Command (the H200, through the device tool; ``scripts/gpu_session.sh profile``)::
+Command (on an NVIDIA GPU)::
 
-    python3 scripts/profile_attention.py --platform gpu --seqs 8192,32768
+    python3 benchmarks/profile_attention.py --platform gpu --seqs 8192,32768
 
 On a CPU (``--platform cpu``: ``raw`` and ``ours-cudnn`` run the emulated kernels, ``cudnn``
 is left out) it only checks that the script runs.

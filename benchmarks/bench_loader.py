@@ -4,8 +4,8 @@ each batch when asked (``read_threads=0``, the loader before grain) and reading 
 step waits for its batch when a step takes ``--step-ms`` (simulated by sleeping, which releases
 the GIL as an XLA step does).
 
-    python scripts/bench_loader.py                       # seq_len 1024 and 32768, batch 8
-    python scripts/bench_loader.py --seq-lens 1024 --batches 200 --step-ms 50
+    python benchmarks/bench_loader.py                       # seq_len 1024 and 32768, batch 8
+    python benchmarks/bench_loader.py --seq-lens 1024 --batches 200 --step-ms 50
 
 The dataset is made once, untimed, in ``--work`` (default: a temporary folder): records of
 token streams with lengths drawn from ``--min-len``..``--max-len`` (the demo's records are

@@ -2,10 +2,10 @@
 a world model trained with ring attention on 2 (simulated) devices -> answers to questions
 about videos it has never seen, scored against a model that never sees them.
 
-    python scripts/demo.py                      # everything under runs/demo (README: time, numbers)
-    python scripts/demo.py --out runs/long --videos 8000 --lm-steps 3000 --eval-every 500  # 98%
-    python scripts/demo.py --shapes-first-steps 0 --lm-steps 360   # without the shapes stage
-    python scripts/demo.py --platform gpu       # on the GPU JAX finds (mesh 1,1,1,1)
+    python recipes/demo.py                      # everything under runs/demo (README: time, numbers)
+    python recipes/demo.py --out runs/long --videos 8000 --lm-steps 3000 --eval-every 500  # 98%
+    python recipes/demo.py --shapes-first-steps 0 --lm-steps 360   # without the shapes stage
+    python recipes/demo.py --platform gpu       # on the GPU JAX finds (mesh 1,1,1,1)
 
 Each step is a command a user would type (printed before it runs) and is skipped or resumed
 when its output already exists, so rerunning the demo continues where it stopped:
@@ -29,7 +29,7 @@ when its output already exists, so rerunning the demo continues where it stopped
  5. the last of those evaluations, as `lwm eval qa` prints it (the same code; the command that
     reruns it is printed): every held-out question, per category, for the model, for the model
     shown another video (the swap ablation) and for a blind baseline (the most frequent training
-    answer to the same question); `scripts/plot_run.py` draws loss and accuracy per step.
+    answer to the same question); `tools/plot_run.py` draws loss and accuracy per step.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import sys
 import time
 from pathlib import Path
 
-from steps import ROOT, check_mesh, demo_vqgan_command, run_step  # scripts/steps.py
+from lwm.scripting import ROOT, check_mesh, demo_vqgan_command, run_step
 
 sys.path.insert(0, str(ROOT))
 from data.synthetic import DEMO_WORLD, world_flags  # noqa: E402
@@ -163,7 +163,7 @@ def main() -> int:
         "--videos-only",
         action="store_true",
         help="make the videos (step 1) and stop: what a machine without PyAV, which writes "
-        "them, is given with the rest (scripts/gpu_session.sh wheels)",
+        "them, is given with the rest (a wheel of it)",
     )
     args = p.parse_args()
     if args.mesh is None:
@@ -285,7 +285,7 @@ def main() -> int:
     print(f"\nheld-out questions after step {args.lm_steps} ({results}; the same as")
     print(f"  {shlex.join(['python', *rerun, '--mesh', args.mesh, *cpu])}):")
     print(report.table())
-    run([py, "scripts/plot_run.py", str(lm)], env=env, capture=True)
+    run([py, "tools/plot_run.py", str(lm)], env=env, capture=True)
     summary = report.summary()
     shown = [r for r in report.records if r["condition"] == "model"]
     print("\nsome held-out questions (ok = right):")

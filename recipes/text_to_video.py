@@ -1,8 +1,8 @@
 """Text-to-video on the synthetic world, end to end: captions -> a world model that draws them ->
-clips scored on their pixels against their captions (`scripts/eval_generate.py`).
+clips scored on their pixels against their captions (`tools/eval_generate.py`).
 
-    python scripts/text_to_video.py --vqgan runs/demo/vqgan            # the demo's VQGAN
-    python scripts/text_to_video.py --out runs/t2v --videos 3000 --lm-steps 600
+    python recipes/text_to_video.py --vqgan runs/demo/vqgan            # the demo's VQGAN
+    python recipes/text_to_video.py --out runs/t2v --videos 3000 --lm-steps 600
 
 Each step is a command a user would type (printed before it runs), skipped or resumed when its
 output exists:
@@ -13,7 +13,7 @@ output exists:
  3. `lwm tokenize --text-first-ratio R`: a fraction R of the captions written before their video
     (``caption <vision> V </vision>``), the rest after it, as LWM trains both orders;
  4. `lwm train`: the demo's world model (configs/demo.yaml) on that dataset;
- 5. `scripts/eval_generate.py`: one clip per held-out caption; its dominant colour and motion
+ 5. `tools/eval_generate.py`: one clip per held-out caption; its dominant colour and motion
     against the caption's, next to the unconditional model and the blind baseline.
 """
 
@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from steps import ROOT, check_mesh, check_vqgan, demo_vqgan_command, run_step  # scripts/steps.py
+from lwm.scripting import ROOT, check_mesh, check_vqgan, demo_vqgan_command, run_step
 
 sys.path.insert(0, str(ROOT))
 from data.synthetic import DEMO_WORLD, world_flags  # noqa: E402
@@ -128,7 +128,7 @@ def main() -> int:
 
     # 5. clips from held-out captions, scored on their pixels
     run(
-        [sys.executable, "scripts/eval_generate.py", "--model", f"run:{lm}"]
+        [sys.executable, "tools/eval_generate.py", "--model", f"run:{lm}"]
         + ["--videos", str(held_dir / "videos.jsonl"), "--train-videos"]
         + [str(train_dir / "videos.jsonl"), "--frames", str(args.frames)]
         + ["--cfg-scale", str(args.cfg_scale), "--temperature", str(args.temperature)]

@@ -3,8 +3,8 @@
 time against the cache, `lwm.generate.decode_step`), with the planned temporary memory per
 device of the prefill, on simulated CPU devices.
 
-    python scripts/bench_generate.py                                  # tiny model, see --help
-    python scripts/bench_generate.py --lengths 4096 --sp 1,2,4,8      # decode flat in sp?
+    python benchmarks/bench_generate.py                                  # tiny model, see --help
+    python benchmarks/bench_generate.py --lengths 4096 --sp 1,2,4,8      # decode flat in sp?
 
 Each (sp, length) compiles its own programs (not timed); one timed prefill of ``length`` random
 tokens in chunks of ``--chunk`` into a cache of ``length + --decode`` slots, then ``--decode``

@@ -11,8 +11,8 @@ Python standard library. The result is a Hugging Face tokenizer folder that
   does), ``</s>`` (EOS), ``<pad>``;
 - ``<vision>`` and ``</vision>``: the vision markers, each one token.
 
-    python scripts/build_text_tokenizer.py            # writes data/tokenizer/
-    python scripts/build_text_tokenizer.py --out /tmp/tok --vocab-size 8192
+    python tools/build_text_tokenizer.py            # writes data/tokenizer/
+    python tools/build_text_tokenizer.py --out /tmp/tok --vocab-size 8192
 
 Deterministic: the corpus is read in a sorted order and the BPE trainer is deterministic.
 """

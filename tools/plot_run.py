@@ -1,7 +1,7 @@
 """Plot an `lwm train` run: losses and held-out QA accuracy per category against steps (PNG).
 
-    python scripts/plot_run.py runs/demo/lm                 # writes runs/demo/lm/run.png
-    python scripts/plot_run.py runs/demo/lm --out run.png
+    python tools/plot_run.py runs/demo/lm                 # writes runs/demo/lm/run.png
+    python tools/plot_run.py runs/demo/lm --out run.png
 
 Reads ``RUN/metrics.jsonl``: training lines (loss, text_loss, vision_loss) and, when the run
 evaluated held-out questions (``eval.manifest``), its ``"split": "eval"`` lines: the model's

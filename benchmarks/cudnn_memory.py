@@ -6,8 +6,8 @@ at 128K (docs/benchmarks.md, "Measured on the H200" and "Memory of the general p
 a `lax.scan` over the layers, JAX hoisted what depends on positions alone out of the scan,
 with temporaries that grow with the square of the sequence.
 
-    python scripts/probe_cudnn_memory.py --seq 8192 --cases plain,scan,scan-nosplit,scan-xla
-    python scripts/probe_cudnn_memory.py --seq 131072 --cases step,step-doc,step-general,step-in-order
+    python benchmarks/cudnn_memory.py --seq 8192 --cases plain,scan,scan-nosplit,scan-xla
+    python benchmarks/cudnn_memory.py --seq 131072 --cases step,step-doc,step-general,step-in-order
 
 Attention cases: ``plain`` (``--layers`` layers unrolled), ``scan`` (in a `lax.scan`, as
 `scan_layers`), ``-nosplit`` (general pairs not cut into pieces of ``--piece`` tokens),
@@ -15,7 +15,7 @@ Attention cases: ``plain`` (``--layers`` layers unrolled), ``scan`` (in a `lax.s
 in order, the schedule that decides nothing at run time), ``-in-order`` (positions given and
 ``in_order``: the masked pieces' schedule). Train-step cases (configs/7b.yaml with ``--layers``
 layers, bf16 compute, float32 parameters and AdamW, remat ``nothing_saveable``, batch 1, as
-`scripts/bench_train.py --sizes 7b-4l` compiles it): ``step`` and ``step-band`` (as many
+`benchmarks/bench_train.py --sizes 7b-4l` compiles it): ``step`` and ``step-band`` (as many
 processes compile it: the known-order schedule or the in-order one, chosen per step by one
 `lax.cond`; the latter for the loader's plan's reach, 4,096 tokens here), ``step-doc``,
 ``step-general``, ``step-in-order`` and ``step-in-order-band`` (the step compiled for rows of
@@ -65,7 +65,7 @@ def main() -> int:
     for case in args.cases.split(","):
         if not (case in STEP_ROWS or re.fullmatch(attention, case)):
             print(
-                f"probe_cudnn_memory: error: unknown case '{case}' (attention: plain or scan, "
+                f"cudnn_memory: error: unknown case '{case}' (attention: plain or scan, "
                 f"then -nosplit, -xla, -doc or -in-order; train step: {', '.join(STEP_ROWS)})",
                 file=sys.stderr,
             )
@@ -74,7 +74,7 @@ def main() -> int:
         try:
             print(json.dumps(probe(case, args)), flush=True)
         except ConfigError as e:
-            print(f"probe_cudnn_memory: error: {e}", file=sys.stderr)
+            print(f"cudnn_memory: error: {e}", file=sys.stderr)
             return 2
     return 0
 
@@ -213,4 +213,4 @@ def step_compiled(case: str, args: argparse.Namespace):
 if __name__ == "__main__":
     from lwm.cli import run_reporting_errors
 
-    raise SystemExit(run_reporting_errors("probe_cudnn_memory", main, also=(ValueError,)))
+    raise SystemExit(run_reporting_errors("cudnn_memory", main, also=(ValueError,)))

@@ -1,5 +1,5 @@
 """LWM's VQGAN architecture as LWM's ``lwm/vqgan.py`` writes it (Flax linen), for side-by-side
-benchmarks (`scripts/bench_vqgan.py --compare-lwm`) and parity tests against ours
+benchmarks (`benchmarks/bench_vqgan.py --compare-lwm`) and parity tests against ours
 (`tests/test_vqgan.py`). Re-expressed here from LWM's released code: the same modules, the same
 auto-generated parameter names (``Conv_0``, ``ResnetBlock_1``, ...), so the parameter tree of
 `vqgan.weights.export_lwm_params` applies to it unchanged. Nothing in the product imports this.

@@ -1,5 +1,5 @@
-"""Running the steps of a pipeline script (`scripts/demo.py`, `scripts/text_to_video.py`,
-`scripts/long_context.py`): each step is a command a user could type, printed before it runs
+"""Running the steps of a pipeline script (`recipes/demo.py`, `recipes/text_to_video.py`,
+`recipes/long_context.py`): each step is a command a user could type, printed before it runs
 and timed; a failed step stops the script with the step's exit status."""
 
 from __future__ import annotations

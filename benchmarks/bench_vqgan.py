@@ -2,12 +2,12 @@
 bfloat16 compute), and the time spent outside the jitted call (host-side checks, padding,
 transfers to and from the device, reshapes).
 
-    python scripts/bench_vqgan.py                                   # LWM's preset at 256x256
-    python scripts/bench_vqgan.py --config configs/vqgan/small.yaml --batches 8,32,128
-    python scripts/bench_vqgan.py --compare-lwm                     # ours vs LWM's architecture
+    python benchmarks/bench_vqgan.py                                   # LWM's preset at 256x256
+    python benchmarks/bench_vqgan.py --config configs/vqgan/small.yaml --batches 8,32,128
+    python benchmarks/bench_vqgan.py --compare-lwm                     # ours vs LWM's architecture
 
 ``--compare-lwm``: ours (`vqgan.model.VQGAN`, NNX) and LWM's architecture as LWM's code writes
-it (`scripts/lwm_vqgan_reference.py`, linen), with the same weights (ours exported in LWM's
+it (`benchmarks/lwm_vqgan_reference.py`, linen), with the same weights (ours exported in LWM's
 parameter names), each jitted on the same frames already on the device (float frames in
 [-1, 1] -> codes; codes -> clipped frames), timed round-robin (``--repeats`` rounds, median),
 float32 and bfloat16 (the reference in bfloat16: its parameters and frames cast, as its code
@@ -33,9 +33,9 @@ from collections.abc import Callable
 
 import jax
 import numpy as np
-from steps import check_choices  # scripts/steps.py
 
 from lwm.base.mesh import make_mesh
+from lwm.scripting import check_choices
 from vqgan.config import load_vqgan_config
 from vqgan.model import init_model
 from vqgan.tokenizer import VideoTokenizer
