@@ -133,12 +133,14 @@ def test_use_platform_errors_are_one_line() -> None:
     without CUDA exits non-zero with one line (no traceback) before it measures anything."""
     with pytest.raises(MeshError, match="--platform gpu: JAX has already started on cpu"):
         use_platform("gpu")
-    with pytest.raises(MeshError, match="--platform tpu: expected cpu or gpu"):
+    with pytest.raises(MeshError, match="--platform tpu: JAX has already started on cpu"):
         use_platform("tpu")
+    with pytest.raises(MeshError, match="--platform npu: expected one of cpu, tpu, gpu, auto"):
+        use_platform("npu")
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
     for script in ("bench_train.py", "bench_attention.py"):
         run = subprocess.run(
-            [sys.executable, str(ROOT / "scripts" / script), "--platform", "gpu"],
+            [sys.executable, str(ROOT / "benchmarks" / script), "--platform", "gpu"],
             capture_output=True,
             text=True,
             env=env,
@@ -149,7 +151,7 @@ def test_use_platform_errors_are_one_line() -> None:
         assert len(lines) == 1 and "--platform gpu: JAX finds no CUDA GPU" in lines[0], lines
     # a mesh the simulated CPU devices cannot form: one line, nothing measured
     run = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench_train.py"), "--mesh", "2,1,2"],
+        [sys.executable, str(ROOT / "benchmarks" / "bench_train.py"), "--mesh", "2,1,2"],
         capture_output=True,
         text=True,
         env=env,

@@ -238,7 +238,7 @@ def test_plot_run_draws_loss_and_accuracy_per_category(tmp_path):
     (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     root = Path(__file__).resolve().parents[1]
     done = subprocess.run(
-        [sys.executable, str(root / "scripts" / "plot_run.py"), str(run)],
+        [sys.executable, str(root / "tools" / "plot_run.py"), str(run)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -247,7 +247,7 @@ def test_plot_run_draws_loss_and_accuracy_per_category(tmp_path):
     with Image.open(run / "run.png") as image:
         assert image.size[0] > 2 * image.size[1] > 0  # two panels side by side
     missing = subprocess.run(
-        [sys.executable, str(root / "scripts" / "plot_run.py"), str(tmp_path / "nothing")],
+        [sys.executable, str(root / "tools" / "plot_run.py"), str(tmp_path / "nothing")],
         capture_output=True,
         text=True,
         timeout=120,

@@ -540,7 +540,7 @@ def _lwm_reference():
     """`benchmarks/lwm_vqgan_reference.py`: LWM's linen architecture, re-expressed."""
     import importlib.util
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "lwm_vqgan_reference.py"
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "lwm_vqgan_reference.py"
     spec = importlib.util.spec_from_file_location("lwm_vqgan_reference", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there

@@ -85,27 +85,38 @@ def use_cpu_devices(count: int) -> None:
         ) from None
 
 
-def use_platform(platform: str, cpu_devices: int = 8) -> None:
-    """Pick the devices JAX starts with, as the benchmark scripts' ``--platform`` does: ``gpu``
-    the NVIDIA GPUs (CUDA), ``cpu`` `cpu_devices` simulated devices of the host CPU (never an
-    installed libtpu). It must come before anything asks JAX for its devices; ``gpu`` starts
-    JAX (a host without a CUDA GPU is a `MeshError`)."""
+PLATFORMS = ("cpu", "tpu", "gpu", "auto")  # the benchmark scripts' and recipes' --platform
+_JAX_NAMES = {"tpu": "tpu", "gpu": "cuda"}  # jax_platforms' name of each accelerator
+_HOW_TO_INSTALL = {"tpu": "pip install -e '.[tpu]'", "gpu": "pip install -e '.[cuda12]'"}
+
+
+def use_platform(platform: str, cpu_devices: int = 8) -> str:
+    """Pick the devices JAX starts with, as the benchmark scripts' ``--platform`` does: ``cpu``
+    `cpu_devices` simulated devices of the host CPU (never an installed libtpu), ``tpu`` the
+    TPU chips, ``gpu`` the NVIDIA GPUs (CUDA), ``auto`` whatever JAX picks (an accelerator if
+    one is there, else one CPU device). It must come before anything asks JAX for its devices;
+    every choice but ``cpu`` starts JAX (a host without the accelerator is a `MeshError`).
+    Returns the platform JAX runs on (``cpu``, ``tpu`` or ``gpu``)."""
     if platform == "cpu":
         use_cpu_devices(cpu_devices)
-        return
-    if platform != "gpu":
-        raise MeshError(f"--platform {platform}: expected cpu or gpu")
-    jax.config.update("jax_platforms", "cuda")  # no effect once JAX has started: checked below
+        return "cpu"
+    if platform not in PLATFORMS:
+        raise MeshError(f"--platform {platform}: expected one of {', '.join(PLATFORMS)}")
+    if platform != "auto":
+        # no effect once JAX has started: checked below
+        jax.config.update("jax_platforms", _JAX_NAMES[platform])
     try:
         started = jax.devices()[0].platform
-    except (RuntimeError, AssertionError) as e:  # JAX 0.10 asserts when no CUDA plugin is installed
-        why = str(e).splitlines()[0] if str(e) else "no CUDA plugin: pip install -e '.[cuda12]'"
-        raise MeshError(f"--platform gpu: JAX finds no CUDA GPU ({why})") from None
-    if started != "gpu":
+    except (RuntimeError, AssertionError) as e:  # JAX 0.10 asserts when no plugin is installed
+        what = {"tpu": "TPU", "gpu": "CUDA GPU"}.get(platform, "device")
+        why = str(e).splitlines()[0] if str(e) else f"not installed: {_HOW_TO_INSTALL[platform]}"
+        raise MeshError(f"--platform {platform}: JAX finds no {what} ({why})") from None
+    if platform != "auto" and started != platform:
         raise MeshError(
-            f"--platform gpu: JAX has already started on {started}; the platform must be set "
-            "before it starts"
+            f"--platform {platform}: JAX has already started on {started}; the platform must be "
+            "set before it starts"
         )
+    return started
 
 
 def tpu_topology_devices(topology: str) -> list:
