@@ -3,7 +3,7 @@ of devices this host may not have, and print the temporaries per device that the
 plans, one JSON line per mode. Compares the block kernels (``--kernel xla`` / ``pallas``);
 for a TPU topology the Pallas kernels go through libtpu's Mosaic compiler.
 
-    # needs libtpu (pip install -e '.[aot]', in its own virtual environment: docs/aot.md)
+    # needs libtpu (pip install -e '.[tpu]', in its own virtual environment: docs/aot.md)
     TPU_ACCELERATOR_TYPE=v5p-8 TPU_WORKER_HOSTNAMES=localhost \\
       python benchmarks/aot_attention.py --topology v5p:2x2x1 --mesh 1,1,4,1 --seq 32768 --kernel pallas
 

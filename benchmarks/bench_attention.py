@@ -1,5 +1,7 @@
-"""Benchmark causal attention on 8 simulated CPU devices: ours (ring, zigzag) vs LWM's
-`ringattention` package vs dense, plus single-device blockwise efficiency and long contexts.
+"""Benchmark causal attention: ours (ring, zigzag; or blockwise on one device) against LWM's
+`ringattention` package and dense attention on 8 simulated CPU devices, against JAX's own TPU
+kernels (splash attention, Pallas flash attention) on a TPU, and against cuDNN on a GPU; plus
+single-device blockwise efficiency and long contexts.
 
 Prints one JSON line per measurement on stdout; progress goes to stderr. Needs the bench extra
 (``.venv/bin/pip install -e '.[dev,bench]'``) for the ``ringattention`` reference.
@@ -20,6 +22,13 @@ Commands (the ones behind ``docs/benchmarks.md``; raw output in ``docs/bench_att
 
     # a quick smoke run while developing
     .venv/bin/python benchmarks/bench_attention.py --seqs 2048 --block 256 --repeats 1 --check
+
+    # one TPU chip: ours (Pallas kernel) against splash and flash attention, each at its best
+    # of the blocks given; 32 heads x 128, bfloat16
+    python benchmarks/bench_attention.py --platform tpu --seqs 8192,32768 --block 512,1024 --check
+    # GQA (32 query / 8 key-value heads), and packed rows of 1K-token documents
+    python benchmarks/bench_attention.py --platform tpu --kv-heads 8 --seqs 32768
+    python benchmarks/bench_attention.py --platform tpu --doc-len 1024 --seqs 32768
 
 FLOP convention (``tflops`` field): a causal forward counts the two matmuls (QK^T and PV),
 ``4 * b * h * s^2 * d``, halved for the causal mask; a backward pass counts 2.5x the forward
@@ -67,7 +76,7 @@ from lwm.attention import (
     ring_attention,
 )
 from lwm.attention.layout import ring_block_size, zigzag_permutation
-from lwm.base.mesh import MeshError, use_platform
+from lwm.base.mesh import PLATFORMS, MeshError, use_platform
 from lwm.cli import note_failure
 
 # The case's shape; on a GPU (``--platform gpu``) main() sets the devices JAX sees, and the
@@ -83,9 +92,18 @@ BWD_FLOP_FACTOR = 3.5  # fwd (1) + bwd (2.5)
 # given positions (each pair's kind decided at run time, as for packed rows); ours-cudnn-doc:
 # the same without positions (one document in zigzag order: every kind known when tracing);
 # cudnn: jax.nn.dot_product_attention(implementation="cudnn") on the whole sequence (one device)
-IMPLS = ("ours", "ours-cudnn", "ours-cudnn-doc", "cudnn", "ringattention", "dense")
+# ours-blockwise: `blockwise_attention` (no ring); splash, flash: JAX's TPU kernels
+# (jax.experimental.pallas.ops.tpu), called with their own [batch, heads, seq, head_dim] layout
+IMPLS = (
+    "ours", "ours-blockwise", "ours-cudnn", "ours-cudnn-doc", "cudnn", "splash", "flash",
+    "ringattention", "dense",
+)  # fmt: skip
 CPU_IMPLS = ("ours", "ringattention", "dense")  # the default impls per platform
 GPU_IMPLS = ("ours", "ours-cudnn", "ours-cudnn-doc", "cudnn", "ringattention")
+TPU_IMPLS = ("ours", "ours-blockwise", "splash", "flash")
+HEAD_MAJOR = ("splash", "flash")  # impls that take [batch, heads, seq, head_dim]
+KV_HEADS = None  # --kv-heads (None: as many as the query heads)
+DOC_LEN = None  # --doc-len: packed rows of documents this long (segment ids, positions restart)
 KERNEL = "xla"
 MODES = ("fwd", "fwd_bwd")
 LONG_CASES = ("fwd:65536", "fwd:131072", "fwd_bwd:32768")
@@ -100,6 +118,7 @@ class Case:
     impl: str
     mode: str
     seq: int
+    block: int = 512  # --block: the block size asked for (`block_used` says what runs)
 
 
 @dataclass
@@ -109,6 +128,8 @@ class Inputs:
     v: jax.Array
     cotangent: jax.Array
     positions: jax.Array  # the zigzag permutation, [batch, seq], sharded like the tokens
+    segments: jax.Array | None = None  # with --doc-len: each token's document, [batch, seq]
+    head_major: tuple | None = None  # q, k, v, cotangent as [batch, heads, seq, head_dim]
 
 
 # --------------------------------------------------------------------------------------------
@@ -162,13 +183,26 @@ def make_inputs(mesh: Mesh, seq: int, seed: int = 0) -> Inputs:
     permutation. (The reference and dense read the same arrays as contiguous tokens.)"""
     keys = jax.random.split(jax.random.key(seed), 4)
     shape = (BATCH, seq, HEADS, HEAD_DIM)
+    kv_shape = (BATCH, seq, KV_HEADS or HEADS, HEAD_DIM)
     x_sharding = NamedSharding(mesh, X_SPEC)
-    q, k, v, ct = (jax.device_put(jax.random.normal(key, shape, DTYPE), x_sharding) for key in keys)
+    q, k, v, ct = (
+        jax.device_put(jax.random.normal(key, s, DTYPE), x_sharding)
+        for key, s in zip(keys, (shape, kv_shape, kv_shape, shape), strict=True)
+    )
     perm = zigzag_permutation(seq, DEVICES).astype(np.int32)
+    segments = None
+    if DOC_LEN:  # documents packed one after another: positions restart, segment ids count up
+        segments = jax.device_put(
+            np.broadcast_to(perm // DOC_LEN, (BATCH, seq)).copy(), NamedSharding(mesh, POS_SPEC)
+        )
+        perm = perm % DOC_LEN
     positions = jax.device_put(
         np.broadcast_to(perm, (BATCH, seq)).copy(), NamedSharding(mesh, POS_SPEC)
     )
-    return Inputs(q, k, v, ct, positions)
+    head_major = None
+    if DEVICES == 1:  # JAX's TPU kernels' own layout, made once outside the timed calls
+        head_major = tuple(jnp.swapaxes(x, 1, 2) for x in (q, k, v, ct))
+    return Inputs(q, k, v, ct, positions, segments, head_major)
 
 
 # --------------------------------------------------------------------------------------------
@@ -182,11 +216,90 @@ def ours_fn(
     order instead (``layout="zigzag"``): the same attention, which the cuDNN kernel then
     schedules without run-time choices (`lwm.attention.cudnn`)."""
 
-    def f(q, k, v, positions):
+    def f(q, k, v, positions, segments=None):
         kw = dict(q_positions=positions, kv_positions=positions)
+        if segments is not None:
+            kw.update(q_segment_ids=segments, kv_segment_ids=segments)
         return ring_attention(
             q, k, v, mesh=mesh, causal=True, block_q=block, block_k=block,
             kernel=kernel or KERNEL, layout="zigzag", **(kw if positions_given else {}),
+        )  # fmt: skip
+
+    return f
+
+
+def blockwise_fn(mesh: Mesh, block: int) -> AttnFn:
+    """`blockwise_attention` on the whole sequence (one device: no ring, no shard_map)."""
+    del mesh
+    if DEVICES != 1:
+        raise ValueError("the ours-blockwise impl runs on one device (--cpu-devices 1 on a cpu)")
+
+    def f(q, k, v, positions, segments=None):
+        return blockwise_attention(
+            q, k, v, causal=True, q_positions=positions, kv_positions=positions,
+            q_segment_ids=segments, kv_segment_ids=segments, block_q=block, block_k=block,
+            kernel=KERNEL,
+        )  # fmt: skip
+
+    return f
+
+
+def splash_fn(mesh: Mesh, block: int) -> AttnFn:
+    """JAX's splash attention (`jax.experimental.pallas.ops.tpu.splash_attention`) as MaxText
+    calls it: a static causal mask, the documents of a packed row as segment ids, queries
+    scaled outside the kernel, the same block size for every one of its tiles, vmapped over
+    the batch. Inputs ``[batch, heads, seq, head_dim]``; key/value heads may be fewer (GQA)."""
+    del mesh
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+    if DEVICES != 1:
+        raise ValueError("the splash impl runs on one device (--platform tpu on one chip)")
+
+    def f(q, k, v, positions, segments=None):
+        del positions  # contiguous order (one device: the zigzag permutation is the identity)
+        seq = q.shape[2]
+        b = min(block, seq)
+        sizes = sk.BlockSizes(
+            block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=b,
+            block_kv_dkv_compute=b, block_q_dq=b, block_kv_dq=b,
+        )  # fmt: skip
+        mask = sm.MultiHeadMask([sm.CausalMask((seq, seq))] * q.shape[1])
+        kernel = sk.make_splash_mha(mask, head_shards=1, q_seq_shards=1, block_sizes=sizes)
+        q = q * jnp.asarray(q.shape[-1] ** -0.5, q.dtype)
+        if segments is None:
+            return jax.vmap(kernel)(q, k, v)
+        ids = sk.SegmentIds(q=segments, kv=segments)
+        return jax.vmap(kernel)(q, k, v, segment_ids=ids)
+
+    return f
+
+
+def flash_fn(mesh: Mesh, block: int) -> AttnFn:
+    """JAX's Pallas TPU flash attention (`jax.experimental.pallas.ops.tpu.flash_attention`),
+    causal by index, one block size for every tile; ``[batch, heads, seq, head_dim]``. It has
+    no GQA: key/value heads are repeated to the query heads inside the call."""
+    del mesh
+    from jax.experimental.pallas.ops.tpu import flash_attention as fa
+
+    if DEVICES != 1:
+        raise ValueError("the flash impl runs on one device (--platform tpu on one chip)")
+
+    def f(q, k, v, positions, segments=None):
+        del positions
+        seq = q.shape[2]
+        b = min(block, seq)
+        sizes = fa.BlockSizes(
+            block_q=b, block_k_major=b, block_k=b, block_b=1, block_q_major_dkv=b,
+            block_k_major_dkv=b, block_k_dkv=b, block_q_dkv=b, block_k_major_dq=b, block_k_dq=b,
+            block_q_dq=b,
+        )  # fmt: skip
+        if k.shape[1] != q.shape[1]:
+            k, v = (jnp.repeat(x, q.shape[1] // x.shape[1], axis=1) for x in (k, v))
+        ids = None if segments is None else fa.SegmentIds(q=segments, kv=segments)
+        return fa.flash_attention(
+            q, k, v, segment_ids=ids, causal=True, sm_scale=q.shape[-1] ** -0.5,
+            block_sizes=sizes,
         )  # fmt: skip
 
     return f
@@ -199,8 +312,10 @@ def cudnn_fn(mesh: Mesh, block: int) -> AttnFn:
     if DEVICES != 1:
         raise ValueError("the cudnn impl runs on one device (--platform gpu with one GPU)")
 
-    def f(q, k, v, positions):
+    def f(q, k, v, positions, segments=None):
         del positions  # contiguous order (one device: the zigzag permutation is the identity)
+        if segments is not None:
+            raise ValueError("the cudnn impl runs one document per row (no --doc-len)")
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
 
     return f
@@ -239,8 +354,10 @@ def reference_fn(mesh: Mesh, block: int) -> AttnFn:
         body, mesh=mesh, in_specs=(X_SPEC,) * 3, out_specs=X_SPEC, check_vma=False
     )
 
-    def f(q, k, v, positions):
+    def f(q, k, v, positions, segments=None):
         del positions
+        if segments is not None:
+            raise ValueError("the ringattention impl runs one document per row (no --doc-len)")
         return sharded(q, k, v)
 
     return f
@@ -249,9 +366,13 @@ def reference_fn(mesh: Mesh, block: int) -> AttnFn:
 def dense_fn(mesh: Mesh, block: int) -> AttnFn:
     del mesh, block
 
-    def f(q, k, v, positions):
-        del positions  # contiguous order
-        return dense_attention(q, k, v, causal=True)
+    def f(q, k, v, positions, segments=None):
+        if segments is None:  # contiguous order
+            return dense_attention(q, k, v, causal=True)
+        return dense_attention(
+            q, k, v, causal=True, q_positions=positions, kv_positions=positions,
+            q_segment_ids=segments, kv_segment_ids=segments,
+        )  # fmt: skip
 
     return f
 
@@ -260,28 +381,38 @@ IMPL_FNS: dict[str, Callable[[Mesh, int], AttnFn]] = {
     "ours": ours_fn,
     "ours-cudnn": partial(ours_fn, kernel="cudnn"),
     "ours-cudnn-doc": partial(ours_fn, kernel="cudnn", positions_given=False),
+    "ours-blockwise": blockwise_fn,
     "cudnn": cudnn_fn,
+    "splash": splash_fn,
+    "flash": flash_fn,
     "ringattention": reference_fn,
     "dense": dense_fn,
 }
 
 
-def jitted_step(attn: AttnFn, mode: str, mesh: Mesh) -> tuple[Any, Callable[[Inputs], tuple]]:
-    """Jit ``attn`` for one mode; return it and how to pick its arguments from `Inputs`."""
-    x_sh = NamedSharding(mesh, X_SPEC)
+def jitted_step(
+    attn: AttnFn, mode: str, mesh: Mesh, head_major: bool = False
+) -> tuple[Any, Callable[[Inputs], tuple]]:
+    """Jit ``attn`` for one mode; return it and how to pick its arguments from `Inputs`
+    (``head_major``: the ``[batch, heads, seq, head_dim]`` copies, on one device)."""
+    x_sh = NamedSharding(mesh, X_SPEC if not head_major else P(("dp", "fsdp"), "tp", "sp", None))
     pos_sh = NamedSharding(mesh, POS_SPEC)
-    if mode == "fwd":
-        fn = jax.jit(attn, in_shardings=(x_sh, x_sh, x_sh, pos_sh), out_shardings=x_sh)
-        return fn, lambda a: (a.q, a.k, a.v, a.positions)
 
-    def loss_grad(q, k, v, ct, positions):
+    def tensors(a: Inputs) -> tuple:
+        return a.head_major if head_major else (a.q, a.k, a.v, a.cotangent)
+
+    if mode == "fwd":
+        fn = jax.jit(attn, in_shardings=(x_sh, x_sh, x_sh, pos_sh, pos_sh), out_shardings=x_sh)
+        return fn, lambda a: (*tensors(a)[:3], a.positions, a.segments)
+
+    def loss_grad(q, k, v, ct, positions, segments):
         def loss(q, k, v):
-            return jnp.sum(attn(q, k, v, positions) * ct)
+            return jnp.sum(attn(q, k, v, positions, segments) * ct)
 
         return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
-    fn = jax.jit(loss_grad, in_shardings=(x_sh,) * 4 + (pos_sh,), out_shardings=(x_sh,) * 3)
-    return fn, lambda a: (a.q, a.k, a.v, a.cotangent, a.positions)
+    fn = jax.jit(loss_grad, in_shardings=(x_sh,) * 4 + (pos_sh,) * 2, out_shardings=(x_sh,) * 3)
+    return fn, lambda a: (*tensors(a), a.positions, a.segments)
 
 
 # --------------------------------------------------------------------------------------------
@@ -341,6 +472,8 @@ def block_used(impl: str, seq: int, block: int) -> int | None:
     sequence, the reference package takes it as given, cuDNN and dense have none."""
     if impl.startswith("ours"):
         return ring_block_size(seq // DEVICES, block) if DEVICES > 1 else min(block, seq)
+    if impl in HEAD_MAJOR:
+        return min(block, seq)
     return block if impl == "ringattention" else None
 
 
@@ -351,11 +484,18 @@ def base_record(case: Case, block: int) -> dict[str, Any]:
         "mode": case.mode,
         "seq": case.seq,
         "heads": HEADS,
+        "kv_heads": KV_HEADS or HEADS,
         "head_dim": HEAD_DIM,
+        "doc_len": DOC_LEN,
         "dtype": jnp.dtype(DTYPE).name,
         "devices": DEVICES,
         "platform": PLATFORM,
-        "kernel": {"ours": KERNEL, "ours-cudnn": "cudnn", "ours-cudnn-doc": "cudnn"}.get(case.impl),
+        "kernel": {
+            "ours": KERNEL,
+            "ours-blockwise": KERNEL,
+            "ours-cudnn": "cudnn",
+            "ours-cudnn-doc": "cudnn",
+        }.get(case.impl),  # fmt: skip
         "block": block_used(case.impl, case.seq, block),
     }
 
@@ -387,12 +527,13 @@ def failure(err: BaseException) -> dict[str, str]:
     return {"status": "oom" if is_oom(err) else "error", "error": str(err).splitlines()[0][:300]}
 
 
-def prepare_case(case: Case, mesh: Mesh, inputs: Inputs, block: int) -> Prepared:
+def prepare_case(case: Case, mesh: Mesh, inputs: Inputs) -> Prepared:
     """Jit, compile (timed) and check memory; nothing is run yet."""
-    info(f"compile {case.impl} {case.mode} seq={case.seq}")
-    record = base_record(case, block)
+    info(f"compile {case.impl} {case.mode} seq={case.seq} block={case.block}")
+    record = base_record(case, case.block)
     try:
-        fn, pick = jitted_step(IMPL_FNS[case.impl](mesh, block), case.mode, mesh)
+        attn = IMPL_FNS[case.impl](mesh, case.block)
+        fn, pick = jitted_step(attn, case.mode, mesh, case.impl in HEAD_MAJOR)
         args = pick(inputs)
         t0 = time.perf_counter()
         compiled = fn.lower(*args).compile()
@@ -443,7 +584,8 @@ def finish(p: Prepared) -> dict[str, Any]:
             host_load_1m=round(os.getloadavg()[0], 2),  # the machine is shared: context for times
         )
     info(
-        f"{p.case.impl} {p.case.mode} seq={p.case.seq}: {record.get('status')} "
+        f"{p.case.impl} {p.case.mode} seq={p.case.seq} block={record.get('block')}: "
+        f"{record.get('status')} "
         f"time={record.get('time_s')} temp/dev={record.get('temp_bytes_per_device')}"
     )
     return record
@@ -452,15 +594,29 @@ def finish(p: Prepared) -> dict[str, Any]:
 def run_cases(
     cases: Sequence[Case], mesh: Mesh, inputs: Inputs, args: argparse.Namespace
 ) -> dict[str, dict[str, Any]]:
-    prepared = [prepare_case(c, mesh, inputs, args.block) for c in cases]
+    """Time every case (round-robin); emit each record; return each impl's fastest record
+    over the blocks it ran with (its best block size)."""
+    prepared = [prepare_case(c, mesh, inputs) for c in cases]
     time_interleaved(prepared, args.repeats)
-    results = {p.case.impl: finish(p) for p in prepared}
-    for record in results.values():
+    best: dict[str, dict[str, Any]] = {}
+    for p in prepared:
+        record = finish(p)
         emit(record)
-    return results
+        old = best.get(p.case.impl)
+        if (
+            old is None
+            or old.get("status") != "ok"
+            or (record.get("status") == "ok" and record["time_s"] < old["time_s"])
+        ):
+            best[p.case.impl] = record
+        p.compiled = None  # frees the executable before the next mode's compiles
+    return best
 
 
 RATIOS = (
+    ("ours", "splash"),
+    ("ours-blockwise", "splash"),
+    ("ours", "flash"),
     ("ours", "ringattention"),
     ("ours-cudnn", "cudnn"),
     ("ours-cudnn-doc", "cudnn"),
@@ -482,6 +638,8 @@ def ratio_records(mode: str, seq: int, results: dict[str, dict[str, Any]]) -> li
                 "seq": seq,
                 "ours": mine,
                 "reference": theirs,
+                "ours_block": ours.get("block"),
+                "reference_block": ref.get("block"),
                 "speedup": round(ref["time_s"] / ours["time_s"], 3),
                 "temp_bytes_ratio": round(
                     ours["temp_bytes_per_device"] / max(ref["temp_bytes_per_device"], 1), 3
@@ -500,20 +658,28 @@ def check_against_dense(mesh: Mesh, block: int, seq: int, impls: Sequence[str]) 
     token order (ours: zigzag positions; the others: contiguous). The error is relative to the
     largest reference value; bfloat16 inputs are held to 2e-2, float32 to 1e-4."""
     if seq % (DEVICES * block):
-        raise SystemExit(f"bench_attention: --check-seq {seq} must be a multiple of 8 x block")
+        raise SystemExit(
+            f"bench_attention: --check-seq {seq} must be a multiple of {DEVICES} x block"
+        )
     a = make_inputs(mesh, seq, seed=1)
 
-    def dense_zigzag(q, k, v, positions):
-        return dense_attention(q, k, v, causal=True, q_positions=positions, kv_positions=positions)
+    def dense_zigzag(q, k, v, positions, segments=None):
+        return dense_attention(
+            q, k, v, causal=True, q_positions=positions, kv_positions=positions,
+            q_segment_ids=segments, kv_segment_ids=segments,
+        )  # fmt: skip
 
     tol = 1e-4 if jnp.dtype(DTYPE) == jnp.float32 else 2e-2  # DTYPE is numpy's type, not jnp's
     for impl in (i for i in impls if i != "dense"):
-        dense = dense_zigzag if impl.startswith("ours") else dense_fn(mesh, block)
+        dense = dense_zigzag if impl.startswith("ours") or DOC_LEN else dense_fn(mesh, block)
+        head_major = impl in HEAD_MAJOR
         for mode in MODES:
-            fn, pick = jitted_step(IMPL_FNS[impl](mesh, block), mode, mesh)
-            want_fn, _ = jitted_step(dense, mode, mesh)
+            fn, pick = jitted_step(IMPL_FNS[impl](mesh, block), mode, mesh, head_major)
+            want_fn, want_pick = jitted_step(dense, mode, mesh)
             got = jax.tree.leaves(fn(*pick(a)))
-            want = [x.astype(jnp.float32) for x in jax.tree.leaves(want_fn(*pick(a)))]
+            if head_major:  # back to [batch, seq, heads, head_dim], as dense gives
+                got = [jnp.swapaxes(x, 1, 2) for x in got]
+            want = [x.astype(jnp.float32) for x in jax.tree.leaves(want_fn(*want_pick(a)))]
             err = max(
                 float(jnp.max(jnp.abs(g.astype(jnp.float32) - w)) / jnp.max(jnp.abs(w)))
                 for g, w in zip(got, want, strict=True)
@@ -525,11 +691,21 @@ def check_against_dense(mesh: Mesh, block: int, seq: int, impls: Sequence[str]) 
                     "mode": mode,
                     "seq": seq,
                     "block": block_used(impl, seq, block),
+                    "heads": HEADS,
+                    "kv_heads": KV_HEADS or HEADS,
+                    "head_dim": HEAD_DIM,
+                    "doc_len": DOC_LEN,
                     "dtype": jnp.dtype(DTYPE).name,
+                    "platform": PLATFORM,
                     "max_rel_err_vs_dense": err,
                     "status": "ok" if err < tol else "mismatch",
                 }
             )
+
+
+def blocks_of(impl: str, blocks: Sequence[int]) -> list[int]:
+    """The --block values an impl runs with: each (dense and cuDNN have no blocks: the first)."""
+    return [blocks[0]] if impl in ("dense", "cudnn") else list(blocks)
 
 
 def run_sweep(args: argparse.Namespace, mesh: Mesh) -> None:
@@ -539,7 +715,8 @@ def run_sweep(args: argparse.Namespace, mesh: Mesh) -> None:
             impls = [i for i in args.impls if i != "dense" or seq <= args.dense_max_seq]
             if len(impls) < len(args.impls):
                 info(f"dense {mode} seq={seq}: skipped (> --dense-max-seq {args.dense_max_seq})")
-            results = run_cases([Case(i, mode, seq) for i in impls], mesh, inputs, args)
+            cases = [Case(i, mode, seq, b) for i in impls for b in blocks_of(i, args.block)]
+            results = run_cases(cases, mesh, inputs, args)
             for ratio in ratio_records(mode, seq, results):
                 emit(ratio)
         del inputs
@@ -549,7 +726,7 @@ def run_long(args: argparse.Namespace, mesh: Mesh) -> None:
     for spec in args.long_cases:
         mode, seq = parse_long_case(spec)
         inputs = make_inputs(mesh, seq)
-        prepared = prepare_case(Case("ours", mode, seq), mesh, inputs, args.block)
+        prepared = prepare_case(Case("ours", mode, seq, args.block[0]), mesh, inputs)
         time_interleaved([prepared], args.repeats)
         emit(finish(prepared) | {"long": True})
         del inputs, prepared
@@ -583,7 +760,8 @@ def run_efficiency(args: argparse.Namespace) -> None:
     info(f"efficiency: matmul [{m},{2 * m}]@[{2 * m},{m}] vs blockwise seq={seq} on {dev}")
     calls = {"matmul": (jax.jit(jnp.matmul), (a, b))}
     for causal in (False, True):
-        fn = partial(blockwise_attention, causal=causal, block_q=args.block, block_k=args.block)
+        block = args.block[0]
+        fn = partial(blockwise_attention, causal=causal, block_q=block, block_k=block)
         calls[f"causal={causal}"] = (jax.jit(fn), (q, k, v))
     medians = round_robin_medians(calls, args.repeats)
     mm_tflops = 4.0 * m**3 / medians["matmul"] / 1e12
@@ -597,7 +775,7 @@ def run_efficiency(args: argparse.Namespace) -> None:
                 "seq": seq,
                 "heads": HEADS,
                 "head_dim": HEAD_DIM,
-                "block": min(args.block, seq),
+                "block": min(block, seq),
                 "time_s": round(t, 4),
                 "blockwise_tflops": round(bw_tflops, 5),
                 "matmul_time_s": round(medians["matmul"], 4),
@@ -662,10 +840,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--block",
-        type=int,
-        default=512,
-        help="block_q = block_k, at least 1 (default 512); the ringattention impl needs it to "
-        "divide seq / devices",
+        type=csv_ints,
+        default=[512],
+        help="block_q = block_k, at least 1 (default 512); comma-separated to run each impl "
+        "with each and compare each impl's fastest (e.g. 512,1024); the ringattention impl "
+        "needs it to divide seq / devices",
     )
     p.add_argument(
         "--repeats", type=int, default=3, help="timed calls per case, at least 1 (median)"
@@ -681,6 +860,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="first check ours and ringattention against dense at --check-seq",
     )
+    p.add_argument("--check-only", action="store_true", help="run --check and stop (nothing timed)")
     p.add_argument(
         "--check-seq",
         type=int,
@@ -720,9 +900,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--platform",
-        choices=("cpu", "gpu"),
+        choices=PLATFORMS,
         default="cpu",
-        help="cpu: 8 simulated devices (default); gpu: the NVIDIA GPUs JAX sees",
+        help="cpu: 8 simulated devices (default); tpu: the TPU chips JAX sees (one chip: ours "
+        "against splash and flash attention); gpu: the NVIDIA GPUs; auto: what JAX picks",
     )
     p.add_argument(
         "--cpu-devices",
@@ -730,16 +911,30 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=8,
         help="simulated devices with --platform cpu (default 8; 1 runs what one GPU runs)",
     )
-    p.add_argument("--heads", type=int, help="query heads (default 8 on cpu, 32 on gpu)")
-    p.add_argument("--head-dim", type=int, help="head dimension (default 64 on cpu, 128 on gpu)")
+    p.add_argument("--heads", type=int, help="query heads (default 8 on cpu, 32 on an accelerator)")
     p.add_argument(
-        "--dtype", choices=("float32", "bfloat16"), help="default float32 on cpu, bfloat16 on gpu"
+        "--kv-heads",
+        type=int,
+        help="key/value heads, dividing --heads (GQA; default: as many as --heads)",
+    )
+    p.add_argument(
+        "--head-dim", type=int, help="head dimension (default 64 on cpu, 128 on an accelerator)"
+    )
+    p.add_argument(
+        "--doc-len",
+        type=int,
+        help="packed rows: documents of this many tokens one after another (segment ids, "
+        "positions restarting); default one document per row",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        help="default float32 on cpu, bfloat16 on an accelerator",
     )
     p.add_argument(
         "--kernel",
         choices=("xla", "pallas", "cudnn", "auto"),
-        default="xla",
-        help="block kernel of the 'ours' impl (default xla)",
+        help="block kernel of the 'ours' impls (default pallas on a tpu, else xla)",
     )
     p.add_argument(
         "--cudnn-piece",
@@ -753,12 +948,17 @@ def check_args(args: argparse.Namespace, devices: int) -> None:
     """Refuse, before any output, the options no case can run with (ValueError: one line)."""
     for flag, value in (
         ("--heads", args.heads),
+        ("--kv-heads", args.kv_heads),
         ("--head-dim", args.head_dim),
-        ("--block", args.block),
+        ("--doc-len", args.doc_len),
+        *(("--block", b) for b in args.block or [0]),
         ("--repeats", args.repeats),
     ):
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be at least 1, not {value}")
+    heads = args.heads or HEADS
+    if args.kv_heads and heads % args.kv_heads:
+        raise ValueError(f"--kv-heads {args.kv_heads} does not divide the {heads} query heads")
     if args.efficiency_only:
         return
     # the zigzag layout gives each device two equal chunks: a multiple of 2 x devices
@@ -772,37 +972,40 @@ def check_args(args: argparse.Namespace, devices: int) -> None:
             )
     if "ringattention" in args.impls and not args.long:
         # LWM's ringattention reshapes each shard into --block chunks: no clamping or padding
-        for seq in args.seqs:
-            if (seq // devices) % args.block:
+        for seq, block in ((s, b) for s in args.seqs for b in args.block):
+            if (seq // devices) % block:
                 raise ValueError(
-                    f"--block {args.block} does not divide the {seq // devices} tokens per "
+                    f"--block {block} does not divide the {seq // devices} tokens per "
                     f"device of seq {seq} (over {devices} devices), which the ringattention "
                     "impl needs"
                 )
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    global PLATFORM, DEVICES, HEADS, HEAD_DIM, DTYPE, KERNEL
+    global PLATFORM, DEVICES, HEADS, KV_HEADS, HEAD_DIM, DOC_LEN, DTYPE, KERNEL
     args = parse_args(argv)
     if args.cpu_devices < 1:
         raise ValueError(f"--cpu-devices must be at least 1, not {args.cpu_devices}")
-    try:
-        use_platform(args.platform, cpu_devices=args.cpu_devices)  # before JAX has devices
+    try:  # before JAX has devices
+        PLATFORM = use_platform(args.platform, cpu_devices=args.cpu_devices)
     except MeshError as e:
         raise SystemExit(f"bench_attention: error: {e}") from None
-    PLATFORM = args.platform
     if args.impls is None:
-        args.impls = list(GPU_IMPLS if args.platform == "gpu" else CPU_IMPLS)
-    if args.platform == "cpu" and "cudnn" in args.impls:
+        args.impls = list({"gpu": GPU_IMPLS, "tpu": TPU_IMPLS}.get(PLATFORM, CPU_IMPLS))
+    if PLATFORM != "gpu" and "cudnn" in args.impls:
         # ours-cudnn and ours-cudnn-doc run there with cuDNN's dense stand-in (lwm.attention.cudnn)
         raise SystemExit("bench_attention: the cudnn impl needs --platform gpu")
-    gpu = args.platform == "gpu"
-    DEVICES = jax.device_count() if gpu else args.cpu_devices
+    if PLATFORM != "tpu" and {"splash", "flash"} & set(args.impls):
+        raise SystemExit("bench_attention: the splash and flash impls need --platform tpu")
+    accelerator = PLATFORM != "cpu"
+    DEVICES = jax.device_count() if accelerator else args.cpu_devices
     check_args(args, DEVICES)
-    HEADS = args.heads if args.heads is not None else (32 if gpu else HEADS)
-    HEAD_DIM = args.head_dim if args.head_dim is not None else (128 if gpu else HEAD_DIM)
-    DTYPE = jnp.dtype(args.dtype or ("bfloat16" if gpu else "float32")).type
-    KERNEL = args.kernel
+    HEADS = args.heads if args.heads is not None else (32 if accelerator else HEADS)
+    KV_HEADS = args.kv_heads
+    HEAD_DIM = args.head_dim if args.head_dim is not None else (128 if accelerator else HEAD_DIM)
+    DOC_LEN = args.doc_len
+    DTYPE = jnp.dtype(args.dtype or ("bfloat16" if accelerator else "float32")).type
+    KERNEL = args.kernel or ("pallas" if PLATFORM == "tpu" else "xla")
     if args.cudnn_piece:
         import lwm.attention.cudnn.pairs
 
@@ -817,6 +1020,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     mesh = make_mesh()
     if args.check:
         check_against_dense(mesh, args.check_block, args.check_seq, args.impls)
+        if args.check_only:
+            return
     if args.long:
         run_long(args, mesh)
         return

@@ -1,6 +1,7 @@
 """Training-step throughput: tokens/s and MFU of the full training step (forward, backward,
 AdamW) for two model sizes and two sequence lengths, ring attention against dense attention,
-side by side in one process on 8 simulated CPU devices, or on the NVIDIA GPUs JAX sees.
+side by side in one process on 8 simulated CPU devices, or on the TPU chips or NVIDIA GPUs
+JAX sees.
 
     python benchmarks/bench_train.py                       # defaults below
     python benchmarks/bench_train.py --sizes tiny --seqs 2048 --repeats 5
@@ -8,6 +9,9 @@ side by side in one process on 8 simulated CPU devices, or on the NVIDIA GPUs JA
     # blockwise attention with the XLA and the cuDNN block kernel side by side
     python benchmarks/bench_train.py --platform gpu --sizes 7b-4l --seqs 8192,32768 \
         --attention blockwise --kernels xla,cudnn --one-document
+    # one TPU v5e chip: the 570M model, Pallas attention, 8K and 32K tokens
+    python benchmarks/bench_train.py --platform tpu --sizes 570m --seqs 8192,32768 \
+        --attention blockwise --kernels pallas --one-document --set model.logits_chunk_size=8192
     python benchmarks/bench_train.py --sizes small --seqs 1024 --attention ring --batch 8 \
         --dataset runs/demo/tokens --repeats 20     # batches read from a token dataset
     # long context on one GPU: the MLP and the loss computed 8K tokens at a time
@@ -24,9 +28,11 @@ training loader (`data.loader.TokenDatasetLoader`, ``--read-threads`` grain thre
 grain), as `lwm train` does, and the line adds the time each step waited for it.
 
 One JSON line per measurement on stdout, then one ratio line (ring over dense) per
-(size, seq). MFU = model FLOPs (lwm.info.flops_per_token: 6N + 12*L*H*S per token) x tokens/s
-over the matmul FLOP/s measured on all devices at once in the same run, in the model's compute
-dtype (bf16 for the 7b sizes: a GPU's bf16 tensor-core rate).
+(size, seq). Two MFUs, named: ``mfu`` = model FLOPs (lwm.info.flops_per_token: 6N + 12*L*H*S
+per token, attention counted in full as in PaLM) x tokens/s over the matmul FLOP/s measured on
+all devices at once in the same run, in the model's compute dtype; ``mfu_causal_of_spec`` =
+6N + 6*L*H*S (causal attention halved, MaxText's convention) over the chip's specified peak
+(`lwm.info.SPEC_PEAK_BF16`; only for chips listed there).
 """
 
 from __future__ import annotations
@@ -44,9 +50,9 @@ import numpy as np
 from flax import nnx
 
 from data.batches import SyntheticTokenLoader
-from lwm.base.mesh import MeshError, make_mesh, use_platform
+from lwm.base.mesh import PLATFORMS, MeshError, make_mesh, use_platform
 from lwm.config import ConfigError, ModelConfig, load_config
-from lwm.info import flops_per_token, measure_peak_flops, param_counts
+from lwm.info import flops_per_token, measure_peak_flops, param_counts, spec_peak_flops
 from lwm.model import (
     ROW_ORDERS,
     create_model,
@@ -82,6 +88,19 @@ SIZES = {
     "tiny": ("configs/tiny.yaml", {}),
     # LWM-7B's width (32 heads of 128, MLP 11008) with 4 layers: 1.14B parameters
     "7b-4l": ("configs/7b.yaml", {"num_layers": 4}),
+    "7b-1l": ("configs/7b.yaml", {"num_layers": 1}),
+    # what fits one 16 GiB TPU v5e chip with fp32 parameters and AdamW: hidden 2048, 8 layers,
+    # 16 heads of 128, MLP 5504 (570M parameters)
+    "570m": (
+        "configs/7b.yaml",
+        {
+            "hidden_size": 2048,
+            "intermediate_size": 5504,
+            "num_layers": 8,
+            "num_heads": 16,
+            "num_kv_heads": 16,
+        },
+    ),
 }
 
 
@@ -215,7 +234,13 @@ def bench_one(
             "data_wait_share": round(wait / dt, 4),
         }
     tokens = batch * seq
-    flops = flops_per_token(cfg, seq).train * tokens
+    per_token = flops_per_token(cfg, seq)
+    flops = per_token.train * tokens
+    spec = spec_peak_flops(jax.devices()[0].device_kind)
+    if spec is not None:  # MaxText's convention: causal attention, the chip's specified peak
+        spec_mfu = per_token.train_causal * tokens / dt / (spec * mesh.size)
+        extra["mfu_causal_of_spec"] = round(spec_mfu, 4)
+        extra["spec_peak_flops_per_device"] = spec
     return {
         "bench": "train_step",
         "size": size,
@@ -233,6 +258,7 @@ def bench_one(
         "step_s": round(dt, 4),
         "compile_s": round(compile_s, 1),
         "tokens_per_s": round(tokens / dt, 1),
+        # attention counted in full (PaLM's convention), against the matmul rate measured here
         "mfu": round(flops / dt / peak, 4),
         "temp_bytes_per_device": temp,
         # what the device held at most so far in this process (GPUs; None on CPUs): with the
@@ -267,7 +293,7 @@ def main() -> int:
     p.add_argument(
         "--mesh",
         default="1,1,8,1",
-        help="dp,fsdp,sp,tp (on a GPU the default is 1,1,<devices>,1; on a CPU that many "
+        help="dp,fsdp,sp,tp (on an accelerator the default is 1,1,<devices>,1; on a CPU that many "
         "simulated devices)",
     )
     p.add_argument("--batch", type=int, default=1, help="rows per step")
@@ -276,9 +302,10 @@ def main() -> int:
     p.add_argument("--read-threads", type=int, default=2, help="grain threads (0: no grain)")
     p.add_argument(
         "--platform",
-        choices=("cpu", "gpu"),
+        choices=PLATFORMS,
         default="cpu",
-        help="cpu: simulated CPU devices (default); gpu: the NVIDIA GPUs JAX sees",
+        help="cpu: simulated CPU devices (default); tpu: the TPU chips JAX sees; gpu: the "
+        "NVIDIA GPUs; auto: what JAX picks",
     )
     p.add_argument(
         "--kernels",
@@ -325,8 +352,8 @@ def main() -> int:
         return 2
     try:
         # before anything asks JAX for its devices; on a CPU, as many as the mesh has
-        use_platform(args.platform, cpu_devices=cpu_devices_for(args.mesh))
-        if args.platform == "gpu" and args.mesh == "1,1,8,1":
+        platform = use_platform(args.platform, cpu_devices=cpu_devices_for(args.mesh))
+        if platform != "cpu" and args.mesh == "1,1,8,1":
             args.mesh = f"1,1,{jax.device_count()},1"
         mesh = make_mesh(args.mesh)
     except MeshError as e:

@@ -90,7 +90,7 @@ class ModelConfig(BaseModel):
     # The block kernel of blockwise and ring attention: XLA, Pallas (TPU; interpreted, slowly,
     # elsewhere), cuDNN's flash attention (NVIDIA GPUs; a dense stand-in elsewhere, for tests)
     # or auto (Pallas on TPUs, cuDNN on GPUs, XLA elsewhere). `lwm.attention.blockwise.KERNELS`.
-    attention_kernel: Literal["xla", "pallas", "cudnn", "auto"] = "xla"
+    attention_kernel: Literal["xla", "pallas", "cudnn", "auto"] = "auto"
     block_q: PositiveInt = 512
     block_k: PositiveInt = 512
     remat_policy: RematPolicy = "nothing_saveable"

@@ -62,10 +62,11 @@ class ParamCounts(NamedTuple):
 
 
 class FlopsPerToken(NamedTuple):
-    train: float  # forward + backward
+    train: float  # forward + backward, attention counted in full (PaLM's convention)
     inference: float  # forward, excluding attention over the context
     seq_len: int
     matmul_params: int
+    train_causal: float = 0.0  # the same with causal attention halved (MaxText's convention)
 
 
 class MemoryPerDevice(NamedTuple):
@@ -191,7 +192,31 @@ def flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> FlopsPerTok
     text_share = min(1.0, cfg.loss_positions / s) if cfg.loss_positions else 1.0
     n_train = n - (1.0 - text_share) * cfg.hidden_size * cfg.text_vocab_size
     train = 6.0 * n_train + 12.0 * cfg.num_layers * cfg.q_size * s
-    return FlopsPerToken(train=train, inference=2.0 * n, seq_len=s, matmul_params=n)
+    causal = 6.0 * n_train + 6.0 * cfg.num_layers * cfg.q_size * s
+    return FlopsPerToken(
+        train=train, inference=2.0 * n, seq_len=s, matmul_params=n, train_causal=causal
+    )
+
+
+# Peak dense bfloat16 matmul FLOP/s per chip from the vendors' specifications, by JAX's
+# ``device_kind``: the denominator of MFU in MaxText's convention (`spec_peak_flops`).
+SPEC_PEAK_BF16 = {
+    "TPU v4": 275e12,
+    "TPU v5 lite": 197e12,  # v5e
+    "TPU v5e": 197e12,
+    "TPU v5": 459e12,  # v5p
+    "TPU v5p": 459e12,
+    "TPU v6 lite": 918e12,  # v6e (Trillium)
+    "TPU v6e": 918e12,
+    "NVIDIA H100 80GB HBM3": 989e12,
+    "NVIDIA H200": 989e12,
+}
+
+
+def spec_peak_flops(device_kind: str) -> float | None:
+    """The chip's specified peak bfloat16 FLOP/s (`SPEC_PEAK_BF16`), or None for a chip not
+    listed (CPUs among them)."""
+    return SPEC_PEAK_BF16.get(device_kind)
 
 
 def memory_per_device(

@@ -61,12 +61,12 @@ def check_vqgan(path: str) -> None:
 def check_mesh(flag: str, mesh: str, platform: str = "cpu") -> None:
     """Refuse (MeshError, a ValueError), before any step, a mesh (option ``flag``) that the
     simulated devices of the steps cannot form: on a cpu there are as many as the mesh has
-    (``--cpu-devices``), so it must give every axis's size. On a gpu the steps see the devices
-    JAX finds, and the first step that builds the mesh says what does not fit (asking JAX
-    here would start the GPU in this process too)."""
+    (``--cpu-devices``), so it must give every axis's size. On a tpu or gpu the steps see the
+    chips JAX finds, and the first step that builds the mesh says what does not fit (asking JAX
+    here would hold the chip in this process too)."""
     from lwm.base.mesh import MeshError, parse_mesh_shape
 
-    if platform == "gpu":
+    if platform != "cpu":
         return
     items = [s.strip() for s in mesh.split(",")]
     if "-1" in items:

@@ -31,7 +31,7 @@ from lwm.base.mesh import MeshError, check_batch_fits
 from lwm.base.metrics import MetricsWriter
 from lwm.base.signals import StopSignals
 from lwm.config import Config, config_to_yaml
-from lwm.info import flops_per_token, measure_peak_flops
+from lwm.info import flops_per_token, measure_peak_flops, spec_peak_flops
 from lwm.model import round_reach, row_permutation, row_schedule, sequence_layout
 from lwm.runs import (
     checkpoint_manager,
@@ -223,7 +223,11 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
         return steps[rows, reach]
 
     tokens_per_step = tc.batch_size * seq_len
-    model_flops = flops_per_token(model_cfg, seq_len).train * tokens_per_step
+    per_token = flops_per_token(model_cfg, seq_len)
+    model_flops = per_token.train * tokens_per_step
+    # MaxText's convention beside ours: causal attention, over the chip's specified peak
+    spec = spec_peak_flops(jax.devices()[0].device_kind)
+    spec_total = spec * jax.device_count() if spec else None
     peak = (
         measure_peak_flops(jax.devices(), model_cfg.dtype)
         if tc.peak_flops == "auto"
@@ -296,6 +300,10 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
                     tokens_per_s=tokens_per_step / dt,
                     mfu=model_flops / dt / peak_total,
                 )
+                if spec_total:
+                    host["mfu_causal_of_spec"] = (
+                        per_token.train_causal * tokens_per_step / dt / spec_total
+                    )
                 writer.write(step, host)
 
     stopped_by = None

@@ -5,6 +5,7 @@ about videos it has never seen, scored against a model that never sees them.
     python recipes/demo.py                      # everything under runs/demo (README: time, numbers)
     python recipes/demo.py --out runs/long --videos 8000 --lm-steps 3000 --eval-every 500  # 98%
     python recipes/demo.py --shapes-first-steps 0 --lm-steps 360   # without the shapes stage
+    python recipes/demo.py --platform tpu       # on the TPU chip JAX finds (mesh 1,1,1,1)
     python recipes/demo.py --platform gpu       # on the GPU JAX finds (mesh 1,1,1,1)
 
 Each step is a command a user would type (printed before it runs) and is skipped or resumed
@@ -151,13 +152,14 @@ def main() -> int:
     )
     p.add_argument(
         "--platform",
-        choices=("cpu", "gpu"),
+        choices=("cpu", "tpu", "gpu"),
         default="cpu",
         help="cpu: every step on simulated CPU devices, as many as the mesh has (default); "
-        "gpu: on the devices JAX finds (one GPU: --mesh 1,1,1,1 by default)",
+        "tpu, gpu: on the chips JAX finds (one chip: --mesh 1,1,1,1 by default)",
     )
     p.add_argument(
-        "--mesh", help="dp,fsdp,sp,tp of the world model (default 1,1,2,1; 1,1,1,1 on a gpu)"
+        "--mesh",
+        help="dp,fsdp,sp,tp of the world model (default 1,1,2,1 on a cpu; 1,1,1,1 on a chip)",
     )
     p.add_argument(
         "--videos-only",
@@ -167,7 +169,7 @@ def main() -> int:
     )
     args = p.parse_args()
     if args.mesh is None:
-        args.mesh = "1,1,1,1" if args.platform == "gpu" else "1,1,2,1"
+        args.mesh = "1,1,2,1" if args.platform == "cpu" else "1,1,1,1"
 
     out = Path(args.out)
     py = sys.executable
@@ -176,10 +178,11 @@ def main() -> int:
     if not args.videos_only:  # before step 1, not in a later step after the videos
         check_mesh("--mesh", args.mesh, args.platform)
     # On a CPU every JAX verb runs on as many simulated devices as the world model's mesh has;
-    # on a GPU, on the devices JAX finds.
+    # on a TPU or a GPU, on the chips JAX finds.
     cpu = ["--cpu-devices", str(math.prod(int(n) for n in args.mesh.split(",")))]
-    if args.platform == "gpu":
+    if args.platform != "cpu":
         cpu = []
+        env.pop("JAX_PLATFORMS", None)  # each step picks the accelerator
     else:
         # One thread per simulated device: with as many devices as cores, XLA's intra-op
         # thread pool only oversubscribes them (0.50 s against 0.55 s per step of stage 2 on

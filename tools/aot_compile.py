@@ -4,7 +4,7 @@ fits before renting the hardware.
 
     # 8 simulated CPU devices on this host (LWM-7B at 32K tokens):
     python tools/aot_compile.py configs/7b.yaml --seq 32768 --mesh 1,1,8,1
-    # a TPU topology (needs `pip install -e '.[aot]'`, which brings libtpu):
+    # a TPU topology (needs `pip install -e '.[tpu]'`, which brings libtpu):
     TPU_ACCELERATOR_TYPE=v5p-512 TPU_WORKER_HOSTNAMES=localhost \\
       python tools/aot_compile.py configs/7b_1m.yaml --topology v5p:8x8x4 --mesh 1,8,32,1
 

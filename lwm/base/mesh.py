@@ -22,6 +22,7 @@ __all__ = [
     "shard_shape",
     "tpu_topology_devices",
     "use_cpu_devices",
+    "PLATFORMS",
     "use_platform",
 ]
 
@@ -130,7 +131,7 @@ def tpu_topology_devices(topology: str) -> list:
     except RuntimeError as e:
         why = str(e).splitlines()[0] if str(e) else type(e).__name__
         if "not installed" in why:
-            why = "JAX's TPU support (libtpu) is not installed: pip install -e '.[aot]'"
+            why = "JAX's TPU support (libtpu) is not installed: pip install -e '.[tpu]'"
         raise MeshError(f"--topology {topology}: {why}") from None
 
 

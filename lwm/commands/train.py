@@ -51,6 +51,11 @@ def run(args: argparse.Namespace) -> int:
     new = not Path(out).exists()
     init_distributed(cfg.distributed)  # before anything asks JAX for its devices
     mesh = make_mesh(cfg.mesh.shape)  # the one mesh of this process
+    if jax.process_index() == 0:  # the chips, the mesh and the attention kernel they run
+        from lwm.commands.info import describe_devices
+
+        mesh_text = ",".join(str(n) for n in mesh.shape.values())
+        print(f"lwm train: {describe_devices(cfg, mesh)[2:]}; mesh {mesh_text}", file=sys.stderr)
     try:
         # One run per output folder (the processes of one job share it, one lock each).
         with output_lock(

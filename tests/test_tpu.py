@@ -1,0 +1,225 @@
+"""Tests that need a TPU: the Pallas block kernels compiled by Mosaic (not interpreted, as
+every other test runs them), the model and a short `lwm train` on the chip.
+
+On a CPU every test here is skipped with the reason. On a TPU VM run them in one process (one
+program at a time can hold the chips), with skips turned into failures::
+
+    LWM_REQUIRE_TPU=1 python -m pytest -q tests/test_tpu.py
+
+(``LWM_REQUIRE_TPU=1`` also makes tests/conftest.py leave JAX on the TPU rather than on the
+8 simulated CPU devices the rest of the suite uses.)
+
+Tolerances. The reference is `dense_attention` on the same chip at
+``jax.default_matmul_precision("highest")`` from float32 copies of the inputs. At the TPU's
+default precision a matrix product rounds its operands to bfloat16 (8 significant bits), in
+the kernels as in XLA, so a float32 attention is good to a few parts in a thousand of the
+largest value, not to float32's 1e-7; bfloat16 inputs and outputs add their own rounding. Each
+case is therefore held twice: to an absolute bound (2e-2 of the largest reference value, about
+five bfloat16 ulps) and to at most twice the error of our XLA block kernel on the same inputs
+on the same chip (that kernel is checked against a float64 numpy reference on the CPU), plus
+1e-3 for the rounding of either.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from data.batches import turn_segment_ids
+from lwm.attention import blockwise_attention, dense_attention, ring_attention
+from lwm.attention.layout import zigzag_permutation
+
+ROOT = Path(__file__).resolve().parents[1]
+ON_TPU = jax.default_backend() == "tpu"
+if os.environ.get("LWM_REQUIRE_TPU") == "1" and not ON_TPU:
+    raise RuntimeError(
+        f"LWM_REQUIRE_TPU=1, but JAX runs on {jax.default_backend()}: the TPU tests would skip"
+    )
+pytestmark = pytest.mark.skipif(
+    not ON_TPU, reason="needs a TPU (on a TPU VM: LWM_REQUIRE_TPU=1 pytest tests/test_tpu.py)"
+)
+
+SEQ, BLOCK = 2048, 512
+
+
+def inputs(h: int, kvh: int, d: int, dtype, b: int = 2, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    shapes = ((b, SEQ, h, d), (b, SEQ, kvh, d), (b, SEQ, kvh, d), (b, SEQ, h, d))
+    return tuple(jnp.asarray(rng.normal(size=s), dtype) for s in shapes)
+
+
+def packed_qa_row(b: int) -> tuple[jax.Array, jax.Array]:
+    """Positions and segment ids of rows packed as training packs them: row 0 one document;
+    row 1 a plain document, then a QA document (a video turn 0 that every question sees, then
+    three question turns that see it and themselves), then another plain document, positions
+    restarting at each document."""
+    seg = np.zeros((b, SEQ), np.int32)
+    pos = np.tile(np.arange(SEQ, dtype=np.int32), (b, 1))
+    cuts = [0, 300, 1100, 1300, 1500, 1700, SEQ]  # plain, turn 0, turns 1-3, plain
+    ids = [1, turn_segment_ids(2, 0), turn_segment_ids(2, 1), turn_segment_ids(2, 2)]
+    ids += [turn_segment_ids(2, 3), 3]
+    for (lo, hi), sid in zip(zip(cuts[:-1], cuts[1:], strict=True), ids, strict=True):
+        seg[1, lo:hi] = sid
+    for lo, hi in ((0, 300), (300, 1700), (1700, SEQ)):  # one position range per document
+        pos[1, lo:hi] = np.arange(hi - lo)
+    return jnp.asarray(pos), jnp.asarray(seg)
+
+
+def errors(fn, ref, q, k, v, ct) -> list[float]:
+    """Max |got - want| / max |want| of the output and of dq, dk, dv (the gradient of
+    ``sum(out * ct)``); the reference at the highest matmul precision in float32."""
+
+    def out_and_grads(f, q, k, v):
+        out, vjp = jax.vjp(f, q, k, v)
+        return (out, *vjp(ct.astype(out.dtype)))
+
+    got = jax.jit(lambda q, k, v: out_and_grads(fn, q, k, v))(q, k, v)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    with jax.default_matmul_precision("highest"):
+        want = jax.jit(lambda q, k, v: out_and_grads(ref, q, k, v))(*f32)
+    return [
+        float(jnp.max(jnp.abs(g.astype(jnp.float32) - w)) / jnp.max(jnp.abs(w)))
+        for g, w in zip(got, want, strict=True)
+    ]
+
+
+CASES = {
+    # name: (query heads, key/value heads, packed rows with QA turns)
+    "causal": (8, 8, False),
+    "gqa": (8, 2, False),
+    "packed_qa": (4, 2, True),
+}
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("case", list(CASES))
+def test_compiled_pallas_kernel_equals_dense(case, head_dim, dtype):
+    h, kvh, packed = CASES[case]
+    q, k, v, ct = inputs(h, kvh, head_dim, dtype)
+    kw = {}
+    if packed:
+        pos, seg = packed_qa_row(q.shape[0])
+        kw = dict(q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg)
+
+    def ours(kernel):
+        return lambda q, k, v: blockwise_attention(
+            q, k, v, causal=True, block_q=BLOCK, block_k=BLOCK, kernel=kernel, **kw
+        )
+
+    lowered = jax.jit(ours("pallas")).lower(q, k, v).as_text()
+    assert "tpu_custom_call" in lowered  # Mosaic, not the interpreter
+    pallas = errors(ours("pallas"), lambda q, k, v: dense_attention(q, k, v, **kw), q, k, v, ct)
+    xla = errors(ours("xla"), lambda q, k, v: dense_attention(q, k, v, **kw), q, k, v, ct)
+    for name, p, x in zip(("out", "dq", "dk", "dv"), pallas, xla, strict=True):
+        assert p <= 2e-2, (name, p)
+        assert p <= 2 * x + 1e-3, (name, p, x)
+
+
+def test_ring_steps_on_one_chip_equal_dense():
+    """The ring's per-step kernel calls on the chip: a one-device ring in the zigzag layout
+    (its two half-shards as the pieces) with the Pallas kernel, packed rows, GQA."""
+    q, k, v, ct = inputs(8, 2, 128, jnp.bfloat16)
+    pos, seg = packed_qa_row(q.shape[0])
+    perm = zigzag_permutation(SEQ, 1)
+    kw = dict(q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg)
+    mesh = jax.make_mesh((1, 1, 1, 1), ("dp", "fsdp", "sp", "tp"), devices=jax.devices()[:1])
+    zig = {name: x[:, perm] for name, x in kw.items()}
+
+    def ring(q, k, v):
+        return ring_attention(
+            q, k, v, mesh=mesh, block_q=BLOCK, block_k=BLOCK, kernel="pallas", layout="zigzag",
+            **zig,
+        )  # fmt: skip
+
+    errs = errors(
+        ring, lambda q, k, v: dense_attention(q, k, v, **zig), *(x[:, perm] for x in (q, k, v, ct))
+    )
+    assert max(errs) <= 2e-2, errs
+
+
+def test_dead_blocks_are_never_read():
+    """Keys and values of blocks that no query may see (a later document's, and everything
+    above the causal diagonal) are NaN: the compiled kernel skips those tiles, so the output
+    stays finite and equal to the unpoisoned one. A kernel that computed every tile and
+    masked afterwards would carry the NaN (0 x NaN is NaN)."""
+    q, k, v, _ = inputs(4, 4, 128, jnp.float32, b=1)
+    seg = jnp.asarray(np.repeat(np.arange(4), SEQ // 4)[None], jnp.int32)  # 4 documents of 512
+    pos = jnp.asarray(np.tile(np.arange(SEQ // 4), 4)[None], jnp.int32)
+    kw = dict(q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg)
+
+    def attend(k, v):
+        return blockwise_attention(q, k, v, block_q=BLOCK, block_k=BLOCK, kernel="pallas", **kw)
+
+    clean = jax.jit(attend)(k, v)
+    # Only the last document's own block is ever live for the last query block; poison the
+    # last block's keys for every earlier query block, i.e. make the last document NaN and
+    # check the first three documents' outputs.
+    poisoned_k = k.at[:, 3 * BLOCK :].set(jnp.nan)
+    poisoned_v = v.at[:, 3 * BLOCK :].set(jnp.nan)
+    out = jax.jit(attend)(poisoned_k, poisoned_v)
+    assert bool(jnp.all(jnp.isfinite(out[:, : 3 * BLOCK])))
+    np.testing.assert_array_equal(
+        np.asarray(out[:, : 3 * BLOCK]), np.asarray(clean[:, : 3 * BLOCK])
+    )
+
+
+def test_model_logits_with_pallas_equal_xla():
+    """The debug model's logits and loss gradients with the Pallas kernel against the XLA
+    kernel, same parameters, packed documents, on the chip."""
+    from flax import nnx
+
+    from lwm.config import load_config
+    from lwm.model import create_model
+
+    cfg = load_config(str(ROOT / "configs/debug.yaml")).model.model_copy(
+        update=dict(attention="blockwise", block_q=128, block_k=128, max_seq_len=512)
+    )
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, cfg.text_vocab_size, (2, 512)), jnp.int32)
+    seg = jnp.asarray(np.where(np.arange(512) < 200, 1, 2)[None].repeat(2, 0), jnp.int32)
+    pos = jnp.asarray(
+        np.where(np.arange(512) < 200, np.arange(512), np.arange(512) - 200)[None].repeat(2, 0),
+        jnp.int32,
+    )
+    vision = jnp.zeros((2, 512), bool)
+    logits = {}
+    for kernel in ("xla", "pallas"):
+        model = create_model(cfg.model_copy(update=dict(attention_kernel=kernel)), seed=0)
+
+        @nnx.jit
+        def forward(model):
+            return model(tokens=tokens, vision_mask=vision, positions=pos, segment_ids=seg)[0]
+
+        logits[kernel] = np.asarray(forward(model), np.float32)
+    scale = np.max(np.abs(logits["xla"]))
+    assert np.max(np.abs(logits["pallas"] - logits["xla"])) <= 1e-2 * scale
+
+
+def test_lwm_train_runs_on_the_chip(tmp_path):
+    """A short `lwm train` of configs/tiny.yaml on the chip: it names the TPU and the Pallas
+    kernel in its first lines, trains, and its losses are finite."""
+    out = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    run = subprocess.run(
+        [sys.executable, "-m", "lwm", "train", "--config", "configs/tiny.yaml"]
+        + ["train.steps=6", "train.log_every=2", f"train.output_dir={out}"],
+        cwd=ROOT, capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    head = "\n".join((run.stdout + run.stderr).splitlines()[:40]).lower()
+    assert "tpu" in head and "pallas" in head, head
+    losses = [
+        json.loads(line)["loss"]
+        for line in (out / "metrics.jsonl").read_text().splitlines()
+        if "loss" in json.loads(line)
+    ]
+    assert losses and all(np.isfinite(losses)), losses
