@@ -19,6 +19,8 @@ import tempfile
 
 DEVICES = "--xla_force_host_platform_device_count=8"
 FAST_COMPILE = "--xla_backend_optimization_level=0"
+if os.environ.get("LWM_REQUIRE_TPU") == "1":  # tests/test_tpu.py on a TPU VM: the chip
+    os.environ.setdefault("JAX_PLATFORMS", "tpu,cpu")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # a GPU run of the cuDNN tests sets it
 for _flag in (DEVICES, FAST_COMPILE) if os.environ["JAX_PLATFORMS"] == "cpu" else (DEVICES,):
     if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
