@@ -49,10 +49,14 @@ def greedy_by_full_forward(model, tokens, vision, lens, steps, mode="text", mult
     "mesh_shape,attention,kernel",
     [
         (None, "blockwise", "xla"),
-        (None, "blockwise", "cudnn"),  # one device: the prompt is one document in its order
+        pytest.param(  # one device: the prompt is one document in its order
+            None, "blockwise", "cudnn", id="None-blockwise-cudnn_schedule_with_standin"
+        ),
         ("1,1,4,2", "ring", "xla"),
         ("1,2,2,2", "ring", "xla"),
-        ("1,2,2,2", "ring", "cudnn"),  # the prompt's prefill on the cuDNN kernel
+        pytest.param(  # the prompt's prefill on the cuDNN schedule (its kernels' stand-in)
+            "1,2,2,2", "ring", "cudnn", id="1,2,2,2-ring-cudnn_schedule_with_standin"
+        ),
     ],
 )
 def test_greedy_with_cache_equals_full_forward(mesh_shape, attention, kernel):
@@ -71,7 +75,7 @@ def test_prefill_in_the_prompts_order_decides_nothing_at_run_time():
     """On one device the prompt is one document in the model's layout, so prefill tells
     attention no positions: on the cuDNN kernel its calls are scheduled when tracing, with no
     conditional (on a GPU each one waits for its predicate). Its results are checked by
-    `test_greedy_with_cache_equals_full_forward` (None, blockwise, cudnn)."""
+    `test_greedy_with_cache_equals_full_forward[None-blockwise-cudnn_schedule_with_standin]`."""
     model = create_model(debug_cfg(attention="blockwise", attention_kernel="cudnn"))
     graphdef, state = nnx.split(model)
     tokens, vision, lens = prompts(p=16)
