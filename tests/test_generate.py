@@ -102,7 +102,10 @@ def test_stop_tokens_end_rows_and_pad():
         stop_tokens=(stop,),
         pad_id=-1,
     )
-    assert len(free) > 1  # every row: up to its first stop token as without one, then padding
+    free = np.asarray(free)
+    # both rows, and row 0 (whose third token is the stop) ends by its third: padding follows
+    assert free.shape == np.asarray(out).shape == (2, 6) and int(lengths[0]) <= 3
+    # every row: up to its first stop token as without one, then padding
     for row, (got, unstopped) in enumerate(zip(np.asarray(out), np.asarray(free), strict=True)):
         hits = np.flatnonzero(unstopped == stop)
         end = int(hits[0]) + 1 if len(hits) else len(unstopped)
