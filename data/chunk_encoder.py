@@ -337,6 +337,10 @@ class DecodeStream:
         self._failure: BaseException | None = None
         self._fed = False  # every item decoded and handed over (or the feeding failed)
         self._closed = False
+        # Set while the feeder has nothing in flight and waits for the consumer to take an item,
+        # or has handed over every item: until the consumer takes one, what is decoded ahead
+        # stays as it is and the workers are idle (tests wait for it instead of sleeping).
+        self.quiet = threading.Event()
         self._thread = threading.Thread(target=self._feed, name="decode-feeder", daemon=True)
         self._thread.start()
 
@@ -441,11 +445,13 @@ class DecodeStream:
                 if exhausted:
                     return  # every item submitted and handed over
                 with self._cond:  # full: wait until the consumer takes an item (or closes)
+                    self.quiet.set()
                     while not self._closed and (len(self._ready), self._ready_frames) == (
                         ready_items,
                         ready_frames,
                     ):
                         self._cond.wait()
+                    self.quiet.clear()
         except BaseException as e:  # noqa: BLE001  (handed to the consumer)
             with self._cond:
                 self._failure = e
@@ -453,6 +459,7 @@ class DecodeStream:
             with self._cond:
                 self._fed = True
                 self._cond.notify_all()
+            self.quiet.set()
 
 
 def _frames(d: Decoded) -> int:

@@ -1,6 +1,15 @@
 """The cuDNN block kernel (`lwm.attention.cudnn`): everything around cuDNN's two kernels is
 checked on the CPU with their dense stand-in (same conventions); the kernels themselves only on
-an NVIDIA GPU (``JAX_PLATFORMS=cuda pytest tests/test_cudnn_attention.py -k gpu``)."""
+an NVIDIA GPU (``LWM_REQUIRE_GPU=1 JAX_PLATFORMS=cuda pytest tests/test_cudnn_attention.py -k
+gpu``).
+
+So a test here that says it equals dense attention (``..._cudnn_schedule_with_standin_...``)
+checks the schedule of calls and the masks around the kernels, with the stand-in computing each
+call: it says nothing of cuDNN. (On a GPU, in float32, the same tests run the XLA kernel: cuDNN
+refuses float32 and `kernel_for_inputs` falls back.) What needs cuDNN itself is in the tests
+named ``test_gpu_...``: they skip off a GPU, and ``LWM_REQUIRE_GPU=1`` (to be set on every run
+on a GPU) makes this module fail to load instead, and makes them fail where cuDNN's kernels
+would not run (a fallback to the XLA kernel)."""
 
 from __future__ import annotations
 
@@ -53,7 +62,7 @@ def long_documents(b: int, s: int, cut: int) -> jax.Array:
 
 @pytest.mark.parametrize("mesh_shape", [(1, 1, 8, 1), (1, 2, 2, 2), (1, 1, 1, 1)])
 @pytest.mark.parametrize("docs", ["one", "long", "packed"])
-def test_ring_with_cudnn_kernel_equals_dense(small_pieces, mesh_shape, docs):
+def test_ring_cudnn_schedule_with_standin_equals_dense(small_pieces, mesh_shape, docs):
     """Causal, GQA (8 query heads on 2 key/value heads), zigzag layout; one document per row,
     two long ones (pairs across the boundary cut into pieces, some of them masked by a bias)
     or four short ones (positions restarting per document): output to 1e-5, gradients to 1e-4
@@ -82,7 +91,7 @@ def test_ring_with_cudnn_kernel_equals_dense(small_pieces, mesh_shape, docs):
 
 
 @pytest.mark.parametrize("causal", [True, False])
-def test_blockwise_cudnn_kernel_equals_dense(small_pieces, causal):
+def test_blockwise_cudnn_schedule_with_standin_equals_dense(small_pieces, causal):
     """One device, contiguous positions; rows that see no key (segments that match nothing)."""
     q, k, v = qkv(s=48, h=4, kvh=2)
     seg = jnp.concatenate([jnp.zeros((2, 32), jnp.int32), jnp.ones((2, 16), jnp.int32)], 1)
@@ -104,7 +113,9 @@ def test_blockwise_cudnn_kernel_equals_dense(small_pieces, causal):
 @pytest.mark.parametrize("mesh_shape", [(1, 1, 8, 1), (1, 2, 2, 2), (1, 1, 1, 1)])
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 @pytest.mark.parametrize("causal", [True, False])
-def test_one_document_in_a_known_order_equals_dense(mesh_shape, layout, causal):
+def test_one_document_in_a_known_order_cudnn_schedule_with_standin_equals_dense(
+    mesh_shape, layout, causal
+):
     """No positions and no segment ids: one document in ``layout``'s order, which the cuDNN path
     schedules without looking at positions (zigzag, or one device) or with the general pairs
     (contiguous over a ring). Equals dense attention on the same order, GQA, fp32."""
@@ -329,7 +340,7 @@ def brute_keys_precede_queries(pos, seg) -> bool:
     "rows, s",
     [("packed", 64), ("long", 64), ("padded", 64), ("turns", 64), ("packed", 16), ("padded", 32)],
 )
-def test_in_order_rows_equal_dense(small_pieces, rows, s):
+def test_in_order_rows_cudnn_schedule_with_standin_equal_dense(small_pieces, rows, s):
     """Rows whose every visible key precedes its query, told so (``in_order``): the schedule
     of masked pieces on and below the diagonal equals dense attention, output to 1e-5 and
     gradients to 1e-4 (fp32, GQA; 8, 2 and 4 pieces a side)."""
@@ -648,6 +659,7 @@ def test_gpu_cudnn_kernels_follow_their_stand_in():
     the CPU tests use, on bf16 inputs: causal and not, GQA, without and with a mask as a bias
     (packed documents)."""
     q, k, v = qkv(b=2, s=256, h=8, kvh=2, d=64, dtype=jnp.bfloat16)
+    assert cudnn.unsupported(q, k) is None, cudnn.unsupported(q, k)  # cuDNN is there
     dout = qkv(b=2, s=256, h=8, kvh=2, d=64, dtype=jnp.bfloat16, seed=3)[0]
     seg = packed_segments(2, 256)  # every query sees its own document's start
     pos = document_positions(seg)
@@ -710,6 +722,8 @@ def within_twice_dense_bfloat16(monkeypatch, docs: str) -> None:
         pos = document_positions(seg)
         kw = dict(q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg)
     bf = [x.astype(jnp.bfloat16) for x in (q32, k32, v32)]
+    if ON_GPU:  # cuDNN's kernels, not the XLA kernel it falls back to for what cuDNN refuses
+        assert cudnn.unsupported(bf[0], bf[1]) is None, cudnn.unsupported(bf[0], bf[1])
     masks = {key: x for key, x in kw.items() if key != "reach"}
     ref, ref_g = value_and_grads(lambda q, k, v: dense_attention(q, k, v, **masks), q32, k32, v32)
     dense, dense_g = value_and_grads(lambda q, k, v: dense_attention(q, k, v, **masks), *bf)

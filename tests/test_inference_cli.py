@@ -65,13 +65,49 @@ def test_eval_needle_command_writes_jsonl_and_heatmap(run, tmp_path, capsys):
     assert len(err.splitlines()) == 1
 
 
+def greedy_conversation(run: Path, questions: list[str], max_new_tokens: int):
+    """``(answer, cut)`` of each turn of a text conversation with the run's model, worked out
+    without `lwm.chat` and its cache: BOS, then per turn ``USER: {question} ASSISTANT:`` (the
+    text of training's QA turns, encoded with the project's tokenizer) and the argmax of a
+    full forward pass, one token at a time, up to EOS or ``max_new_tokens``; a turn cut short
+    is closed with an EOS, as training closes every turn."""
+    import jax.numpy as jnp
+    from flax import nnx
+    from transformers import AutoTokenizer
+
+    from lwm.runs import run_config
+    from lwm.weights import load_model
+
+    tok = AutoTokenizer.from_pretrained(ROOT / "data" / "tokenizer")
+    eos = tok.eos_token_id
+    model = load_model(f"run:{run}", run_config(run).model, log=lambda _: None)
+    forward = nnx.jit(lambda m, t: m(t, jnp.zeros(t.shape, bool))[0])
+    width = 64  # right-padded: causal attention never sees the padding
+    history, answers = [tok.bos_token_id], []
+    for question in questions:
+        history += tok.encode(f"USER: {question} ASSISTANT:", add_special_tokens=False)
+        new: list[int] = []
+        while len(new) < max_new_tokens and eos not in new:
+            ids = np.zeros((1, width), np.int32)
+            ids[0, : len(history) + len(new)] = history + new
+            logits = np.asarray(forward(model, jnp.asarray(ids)))
+            new.append(int(logits[0, len(history) + len(new) - 1].argmax()))
+        cut = eos not in new
+        history += new + ([eos] if cut else [])
+        text = tok.decode([x for x in new if x != eos], skip_special_tokens=True).strip()
+        answers.append((text, cut))
+    return answers
+
+
 def test_chat_answers_every_turn_and_reports_a_full_context(run, monkeypatch, capsys):
     chat = ["chat", "--model", f"run:{run}", "--max-new-tokens", "3", "--prefill-chunk", "16"]
     monkeypatch.setattr("sys.stdin", io.StringIO("What is it?\n\nAnd now?\n"))
     assert lwm([*chat, "--max-context", "64"]) == 0
     lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
     assert [x["question"] for x in lines] == ["What is it?", "And now?"]
-    assert all(isinstance(x["answer"], str) and isinstance(x["cut"], bool) for x in lines)
+    # the answers are the greedy ones of full forward passes over the whole conversation
+    want = greedy_conversation(run, ["What is it?", "And now?"], max_new_tokens=3)
+    assert [(x["answer"], x["cut"]) for x in lines] == want
     # four turns of about 11 tokens do not fit 32: the answers so far, then one error line
     questions = ["--question", "What is it?"] * 4
     assert lwm([*chat, "--max-context", "32", *questions]) == 2
@@ -175,17 +211,48 @@ def test_a_run_loaded_with_other_vision_codes_is_refused(run):
         load_model(f"run:{run}", cfg.model_copy(update={"vision_codes": None}), log=print)
 
 
-def test_ask_with_lwms_chat_prompt(run, tmp_path, capsys):
-    """`lwm ask --prompt lwm` (LWM's vision_chat prompt) answers as the default prompt does:
-    one JSON line per question."""
+def test_ask_with_lwms_chat_prompt(run, tmp_path, capsys, monkeypatch):
+    """`lwm ask --prompt lwm` sends the prompt LWM's vision_chat.py (``construct_input``)
+    builds, written out here from LWM's code: each piece encoded on its own with the
+    tokenizer's default special tokens (a BOS each), ``"<s>You are a helpful assistant. USER:
+    {question}\\n"``, ``<vision>``, the video's codes (vision), ``</vision>``, ``" ASSISTANT:"``;
+    the video's codes are the ones the default prompt (our QA records') sends; one JSON line
+    per question."""
     from tokenize_helpers import save_tiny_vqgan
+    from transformers import AutoTokenizer
 
+    from lwm import vision_qa
     from lwm.base.media import write_mp4
 
+    sent = []
+    real = vision_qa.prompt_batch
+
+    def record(prompts, *args, **kwargs):
+        sent.extend((np.asarray(t).tolist(), np.asarray(v).tolist()) for t, v in prompts)
+        return real(prompts, *args, **kwargs)
+
+    monkeypatch.setattr(vision_qa, "prompt_batch", record)
     video = tmp_path / "v.mp4"
     write_mp4(video, np.zeros((2, 16, 16, 3), np.uint8), fps=2)
     vqgan = save_tiny_vqgan(tmp_path / "vq64", num_embeddings=64)
     ask = ["ask", "--model", f"run:{run}", "--video", str(video), "--question", "Which?"]
-    assert lwm([*ask, "--vqgan", str(vqgan), "--prompt", "lwm", "--max-new-tokens", "2"]) == 0
+    ask += ["--vqgan", str(vqgan), "--max-new-tokens", "2"]
+    assert lwm([*ask, "--prompt", "lwm"]) == 0
     (line,) = capsys.readouterr().out.strip().splitlines()
     assert json.loads(line)["question"] == "Which?"
+    assert lwm(ask) == 0  # the default prompt, for the video's codes
+    capsys.readouterr()
+    (lwm_tokens, lwm_vision), (record_tokens, record_vision) = sent
+    codes = [t for t, v in zip(record_tokens, record_vision, strict=True) if v]
+    assert len(codes) == 2 * 65 and codes[64] == 8192 and codes[-1] == 8193  # 2 frames of 8x8
+    tok = AutoTokenizer.from_pretrained(ROOT / "data" / "tokenizer")
+    pieces = [
+        (tok.encode("<s>You are a helpful assistant. USER: Which?\n"), False),
+        (tok.encode("<vision>"), False),
+        (codes, True),
+        (tok.encode("</vision>"), False),
+        (tok.encode(" ASSISTANT:"), False),
+    ]
+    assert lwm_tokens == [t for ids, _ in pieces for t in ids]
+    assert lwm_vision == [v for ids, v in pieces for _ in ids]
+    assert lwm_tokens[:2] == [tok.bos_token_id] * 2  # the BOS, then LWM's text "<s>"

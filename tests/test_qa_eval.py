@@ -212,10 +212,15 @@ def test_eval_qa_bad_input_is_one_line(tmp_path, capsys):
     assert "asks about one video; the video-swap ablation needs two" in capsys.readouterr().err
 
 
-def test_plot_run_draws_loss_and_accuracy_per_category(tmp_path):
+def test_plot_run_draws_loss_and_accuracy_per_category(tmp_path, monkeypatch):
+    """tools/plot_run.py draws every training loss and every held-out accuracy of
+    metrics.jsonl, each against its steps, in two panels: the lines of the figure it saves
+    hold exactly the values written here."""
+    import importlib.util
     import subprocess
     import sys
 
+    from matplotlib.figure import Figure
     from PIL import Image
 
     run = tmp_path / "run"
@@ -224,30 +229,54 @@ def test_plot_run_draws_loss_and_accuracy_per_category(tmp_path):
         {"step": s, "loss": 3.0 / s, "text_loss": 2.0 / s, "vision_loss": 4.0 / s}
         for s in (1, 2, 3)
     ]
-    lines.append(
-        {
-            "step": 3,
-            "split": "eval",
-            "model_accuracy": 0.5,
-            "model_accuracy_colour": 0.4,
-            "model_accuracy_count": 0.9,
-            "swapped_accuracy": 0.3,
-            "blind_accuracy": 0.3,
-        }
-    )
+    for step, colour, count in ((2, 0.25, 0.5), (3, 0.4, 0.9)):
+        lines.append(
+            {
+                "step": step,
+                "split": "eval",
+                "model_accuracy": (colour + count) / 2,
+                "model_accuracy_colour": colour,
+                "model_accuracy_count": count,
+                "swapped_accuracy": colour / 2,
+                "blind_accuracy": 0.3,
+            }
+        )
     (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     root = Path(__file__).resolve().parents[1]
-    done = subprocess.run(
-        [sys.executable, str(root / "tools" / "plot_run.py"), str(run)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr
+    script = root / "tools" / "plot_run.py"
+    spec = importlib.util.spec_from_file_location("plot_run", script)
+    plot_run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot_run)
+    saved, savefig = [], Figure.savefig
+
+    def keep(fig, *args, **kwargs):
+        saved.append(fig)
+        return savefig(fig, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", keep)
+    assert plot_run.main([str(run)]) == 0
+    (fig,) = saved
+    panels = [
+        {line.get_label(): line.get_xydata().tolist() for line in ax.get_lines()} for ax in fig.axes
+    ]
+    assert panels == [
+        {
+            "loss": [[1, 3.0], [2, 1.5], [3, 1.0]],
+            "text_loss": [[1, 2.0], [2, 1.0], [3, 2.0 / 3]],
+            "vision_loss": [[1, 4.0], [2, 2.0], [3, 4.0 / 3]],
+        },
+        {
+            "colour": [[2, 0.25], [3, 0.4]],
+            "count": [[2, 0.5], [3, 0.9]],
+            "all": [[2, 0.375], [3, 0.65]],
+            "all, videos swapped": [[2, 0.125], [3, 0.2]],
+            "all, blind baseline": [[2, 0.3], [3, 0.3]],
+        },
+    ]
     with Image.open(run / "run.png") as image:
-        assert image.size[0] > 2 * image.size[1] > 0  # two panels side by side
+        assert image.size[0] > 2 * image.size[1] > 0  # the two panels side by side
     missing = subprocess.run(
-        [sys.executable, str(root / "tools" / "plot_run.py"), str(tmp_path / "nothing")],
+        [sys.executable, str(script), str(tmp_path / "nothing")],
         capture_output=True,
         text=True,
         timeout=120,

@@ -254,7 +254,9 @@ def turn_segments(b: int, s: int, seed: int = 2) -> tuple[jnp.ndarray, jnp.ndarr
     return jnp.asarray(seg), jnp.asarray(pos)
 
 
-@pytest.mark.parametrize("where", ["blockwise", "ring", "ring-pallas", "ring-cudnn"])
+@pytest.mark.parametrize(
+    "where", ["blockwise", "ring", "ring-pallas_interpreted", "ring-cudnn_schedule_with_standin"]
+)
 def test_attention_kernels_mask_isolated_turns_as_dense(where, monkeypatch):
     """Blockwise, and the ring with each block kernel (Pallas in interpret mode, cuDNN's
     stand-in on the CPU, in pieces of 8 so that some pairs run on it whole) equal dense
@@ -274,7 +276,7 @@ def test_attention_kernels_mask_isolated_turns_as_dense(where, monkeypatch):
         fn = lambda q, k, v: blockwise_attention(q, k, v, block_q=8, block_k=8, **kw)  # noqa: E731
     else:
         mesh = mesh_of((1, 1, 2, 1))
-        kernel = where.removeprefix("ring-") if "-" in where else "xla"
+        kernel = where.removeprefix("ring-").split("_")[0] if "-" in where else "xla"
         fn = lambda q, k, v: ring_attention(  # noqa: E731
             q, k, v, mesh=mesh, block_q=4, block_k=4, kernel=kernel, **kw
         )

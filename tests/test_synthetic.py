@@ -18,7 +18,7 @@ from data.synthetic import (
     sample_video,
     write_dataset,
 )
-from data.synthetic_check import answer, observe, question_category
+from data.synthetic_check import Seen, answer, observe, question_category
 from lwm.base.media import VideoError, read_video, write_mp4
 
 
@@ -42,9 +42,12 @@ WORLDS = [
 
 
 @pytest.mark.parametrize("world", WORLDS)
-def test_every_answer_follows_from_the_rendered_frames(world) -> None:
-    """`observe` never sees the spec: it reads colours, shapes, motions and the needle off the
-    pixels. Every answer of every kept video must be what it reads."""
+def test_sampling_keeps_only_videos_that_observe_answers(world) -> None:
+    """A consistency check of `sample_video`'s filter, not of `observe`: a kept video is one
+    whose frames `check_spec` (the same `observe` and `answer`) found to give every answer, so
+    this only fails if the filter is bypassed, or if `observe` sees more or fewer objects than
+    the spec drew. Whether `observe` reads frames right is
+    `test_observe_reads_hand_drawn_frames`, on frames drawn without this package."""
     for index in range(25):
         spec = sample_video(0, index, **world)
         seen = observe(render_video(spec))
@@ -52,6 +55,80 @@ def test_every_answer_follows_from_the_rendered_frames(world) -> None:
         for turn in spec.qa:
             assert answer(seen, turn["question"]) == turn["answer"], (index, turn)
         assert len(seen.objects) == len(spec.objects)
+
+
+# Colours as RGB, written here rather than taken from `PALETTE`, and a little off its values,
+# as a decoded or reconstructed frame would be.
+RED, BLUE, GREEN, DARK = (225, 45, 35), (55, 85, 235), (45, 195, 75), (10, 20, 30)
+
+
+def hand_drawn(
+    frames: int = 6,
+    size: int = 40,
+    *,
+    red_step: int = 2,
+    needle_at: int | None = 3,
+    drop_red: int | None = None,
+) -> np.ndarray:
+    """Frames drawn with numpy alone: a red disc of radius 5 moving right ``red_step`` pixels a
+    frame along y = 10, a blue 9x9 square moving down 2 pixels a frame along x = 30, and a
+    green triangle (apex up, rows 1, 3, .., 11 pixels wide) in frame ``needle_at`` only.
+    ``drop_red``: a frame without the disc."""
+    video = np.empty((frames, size, size, 3), np.uint8)
+    video[...] = DARK
+    ys, xs = np.mgrid[:size, :size]
+    for t in range(frames):
+        if t != drop_red:
+            video[t][(xs - (8 + red_step * t)) ** 2 + (ys - 10) ** 2 <= 25] = RED
+        top = 4 + 2 * t
+        video[t, top : top + 9, 26:35] = BLUE
+        if t == needle_at:
+            for row in range(6):
+                video[t, 28 + row, 10 - row : 11 + row] = GREEN
+    return video
+
+
+def test_observe_reads_hand_drawn_frames() -> None:
+    """`observe` and `answer` on frames drawn in this test, not by `render_video`: each shape,
+    colour, direction and the needle as drawn; every question's answer as a viewer gives it;
+    and frames that do not settle a question give no answer."""
+    seen = observe(hand_drawn())
+    assert seen.problems == ()
+    assert seen.objects == {
+        "red": Seen("red", "circle", "right", (0, 1, 2, 3, 4, 5)),
+        "blue": Seen("blue", "square", "down", (0, 1, 2, 3, 4, 5)),
+    }
+    assert seen.needle == Seen("green", "triangle", None, (3,))
+    answers = {
+        "How many shapes move in the video?": "two",
+        "How many circles move in the video?": "one",
+        "How many squares move in the video?": "one",
+        "How many triangles move in the video?": "zero",
+        "What colour is the moving circle?": "red",
+        "What colour is the moving square?": "blue",
+        "What colour is the moving triangle?": None,  # none moves
+        "What shape is the red one?": "circle",
+        "What shape is the blue one?": "square",
+        "What shape is the green one?": None,  # the needle does not move
+        "Which direction does the red circle move?": "right",
+        "Which direction does the blue square move?": "down",
+        "Which direction does the red square move?": None,  # no red square
+        "What appeared briefly?": "a green triangle",
+    }
+    assert {q: answer(seen, q) for q in answers} == answers
+    # the same video without its needle, with the motions reversed in time
+    still = observe(hand_drawn(needle_at=None)[::-1])
+    assert still.needle is None and answer(still, "What appeared briefly?") == "nothing"
+    assert {o.colour: o.direction for o in still.objects.values()} == {"red": "left", "blue": "up"}
+    # the disc missing from one frame is neither a moving object nor a needle
+    gap = observe(hand_drawn(drop_red=2))
+    assert set(gap.objects) == {"blue"} and gap.needle == Seen("green", "triangle", None, (3,))
+    assert gap.problems == ("red: present in frames [0, 1, 3, 4, 5] of 6",)
+    # a disc that does not move has no direction
+    stuck = observe(hand_drawn(red_step=0))
+    assert stuck.objects["red"] == Seen("red", "circle", None, (0, 1, 2, 3, 4, 5))
+    assert stuck.problems == ("red: direction unclear",)
+    assert answer(stuck, "Which direction does the red circle move?") is None
 
 
 def test_questions_cover_every_category_in_drawn_orders() -> None:

@@ -367,10 +367,15 @@ def test_train_runs_on_a_tokenized_dataset_and_evaluates_held_out_qa(
     evals = [r for r in logged if r.get("split") == "eval"]
     assert [r["step"] for r in evals] == [2, 4]
     categories = {t["category"] for line in _qa_lines(held_out) for t in line["qa"]}
+    blind = blind_scores(synthetic, held_out)
     for r in evals:
-        for condition in ("model", "swapped", "blind"):
+        for condition in ("model", "swapped"):
             assert 0 <= r[f"{condition}_accuracy"] <= 1
             assert {f"{condition}_accuracy_{c}" for c in categories} <= set(r)
+        # the blind baseline does not depend on the model: exactly what the manifests give
+        assert {k: v for k, v in r.items() if k.startswith("blind_accuracy")} == pytest.approx(
+            blind
+        )
     report = [json.loads(x) for x in (run / "eval" / "qa-4.jsonl").read_text().splitlines()]
     questions = sum(len(line["qa"]) for line in _qa_lines(held_out))
     assert len(report) == 3 * questions + 1
@@ -428,6 +433,31 @@ def _qa_lines(manifest: Path) -> list[dict]:
     return [line for line in lines if "qa" in line]
 
 
+def blind_scores(train: Path, held_out: Path) -> dict[str, float]:
+    """The blind baseline's accuracy on the questions of ``held_out`` (``blind_accuracy``, and
+    ``blind_accuracy_CATEGORY``), worked out here: each question is answered with the answer
+    the questions of ``train`` with the same text have most often (the first one seen of
+    those tied), else the most frequent of its category, else of all."""
+
+    def most_frequent(pairs) -> dict[str, str]:
+        counts: dict[str, dict[str, int]] = {}
+        for key, answer in pairs:
+            seen = counts.setdefault(key, {})
+            seen[answer] = seen.get(answer, 0) + 1
+        return {key: max(c, key=c.get) for key, c in counts.items()}  # max keeps the first
+
+    turns = [t for line in _qa_lines(train) for t in line["qa"]]
+    by_text = most_frequent((t["question"], t["answer"]) for t in turns)
+    by_category = most_frequent((t["category"], t["answer"]) for t in turns)
+    overall = most_frequent(("", t["answer"]) for t in turns)[""]
+    right: dict[str, list[bool]] = {}
+    for turn in (t for line in _qa_lines(held_out) for t in line["qa"]):
+        guess = by_text.get(turn["question"], by_category.get(turn["category"], overall))
+        for key in ("blind_accuracy", f"blind_accuracy_{turn['category']}"):
+            right.setdefault(key, []).append(guess == turn["answer"])
+    return {key: sum(r) / len(r) for key, r in right.items()}
+
+
 def test_train_refuses_a_dataset_with_a_larger_text_vocabulary(
     tmp_path, synthetic, vqgan_dir, capsys
 ):
@@ -456,6 +486,35 @@ def one_process(tmp_path_factory, synthetic, vqgan_dir):
     return out
 
 
+# `python -c IDLE_AT_SAVE N PATH ...` is `python -m lwm ...` (with Ctrl-C's default action)
+# whose chunk writer, at its save N+1, waits until the decoding workers are idle (the stream's
+# feeder has nothing in flight: `DecodeStream.quiet`), writes PATH, and then waits up to 30 s.
+IDLE_AT_SAVE = """
+import signal, sys, threading, weakref
+from pathlib import Path
+from data.chunk_encoder import ChunkEncoder, DecodeStream
+from lwm.cli import main
+
+signal.signal(signal.SIGINT, signal.default_int_handler)
+limit, idle = int(sys.argv.pop(1)), Path(sys.argv.pop(1))
+save, saved, streams, made = ChunkEncoder.save, [], [], DecodeStream.__init__
+def remember(self, *args, **kwargs):
+    made(self, *args, **kwargs)
+    streams.append(weakref.ref(self))  # a stream alive at exit would be closed too late
+def save_when_idle(self, work, c):
+    if len(saved) == limit:
+        assert len(streams) == 1 and streams[0]().quiet.wait(60)
+        idle.write_text("idle")
+        threading.Event().wait(30)
+    save(self, work, c)
+    saved.append(c)
+DecodeStream.__init__ = remember
+ChunkEncoder.save = save_when_idle
+sys.argv[0] = "lwm"
+raise SystemExit(main())
+"""
+
+
 def test_ctrl_c_stops_with_its_workers_and_keeps_the_finished_chunks(
     tmp_path, synthetic, vqgan_dir
 ):
@@ -465,13 +524,12 @@ def test_ctrl_c_stops_with_its_workers_and_keeps_the_finished_chunks(
     their tracebacks, and the pool's terminate then waited for that lock, at times forever."""
     common = ["--input", str(synthetic), "--vqgan", str(vqgan_dir), "--output", str(tmp_path / "t")]
     common += ["--chunk-size", "1", "--batch-frames", "16", "--no-progress", "--workers", "2"]
-    slow = HANG_AFTER.replace("threading.Event().wait()", "threading.Event().wait(3)")
+    idle = tmp_path / "workers-idle"
     # A terminal's foreground job starts with Ctrl-C's default action; a suite run in the
     # background by a shell without job control (`pytest &` in a script) starts with SIGINT
     # ignored, which the child would inherit, and Python then installs no KeyboardInterrupt.
-    slow = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n" + slow
-    proc = subprocess.Popen(  # the third save waits 3 s, the workers idle meanwhile
-        [sys.executable, "-c", slow, "2", "tokenize", *common],
+    proc = subprocess.Popen(  # the third save waits until the workers idle, then up to 30 s
+        [sys.executable, "-c", IDLE_AT_SAVE, "2", str(idle), "tokenize", *common],
         cwd=ROOT,
         env=dict(os.environ, PYTHONPATH=str(ROOT)),
         stdout=subprocess.DEVNULL,
@@ -481,11 +539,10 @@ def test_ctrl_c_stops_with_its_workers_and_keeps_the_finished_chunks(
     )
     work = tmp_path / "t.partial"
     deadline = time.time() + 120
-    while not (work / "chunk-00001.json").exists():
+    while not idle.exists():  # written by the hook once the stream's feeder is quiet
         assert proc.poll() is None, proc.stderr.read()
         assert time.time() < deadline
         time.sleep(0.01)
-    time.sleep(0.5)
     os.killpg(proc.pid, signal.SIGINT)
     try:
         _, err = proc.communicate(timeout=60)
@@ -682,26 +739,22 @@ def test_decoding_starts_when_the_stream_is_made_and_keeps_to_its_frames(synthet
     indices = list(range(len(items))) * 4
     options = DecodeOptions(resolution=16)
 
-    def wait_for(stream, count: int) -> None:
-        deadline = time.monotonic() + 60
-        while stream.decoded_ahead < count and time.monotonic() < deadline:
-            time.sleep(0.02)
-
     # Room for everything: every item is decoded before the first is taken (as `lwm tokenize`
-    # has the workers decode while its encoder compiles).
+    # has the workers decode while its encoder compiles). `quiet`: the feeder has handed
+    # over every item, or waits for the consumer with nothing in flight.
     stream = DecodeStream(items, indices, options, 1, frames_ahead=10**6)
     try:
-        wait_for(stream, len(indices))
+        assert stream.quiet.wait(60)
         assert stream.decoded_ahead == len(indices)
         assert [d.index for d in stream] == indices
     finally:
         stream.close()
     # Room for 12 frames (two 6-frame videos): one worker keeps 4 items (2 * workers + 2)
     # decoded or in flight once it knows the frames per item, at most one group of 2 beyond.
+    # Once the feeder waits for the consumer, nothing more is decoded until an item is taken.
     stream = DecodeStream(items, indices, options, 1, frames_ahead=12)
     try:
-        wait_for(stream, 4)
-        time.sleep(1.0)  # time to overrun, if it would
+        assert stream.quiet.wait(60)
         assert 4 <= stream.decoded_ahead <= 6
         got = [next(stream).index for _ in range(3)]
         stream.close()  # early, with items in flight: returns, and stops the stream's workers

@@ -7,6 +7,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -276,24 +277,42 @@ def test_two_processes_with_cudnn_check_rows_on_the_device(tmp_path):
     assert [json.loads(x)["one_document"] for x in records] == [0.0, 0.0, 0.0]
 
 
+def _complete_checkpoints(out: Path) -> list[int]:
+    """The steps of the checkpoints whose save completed (Orbax's commit marker is written)."""
+    found = (out / "checkpoints").iterdir()
+    return sorted(int(p.name) for p in found if (p / "commit_success.txt").exists())
+
+
 @pytest.mark.parametrize("kill_after", [6, 7])
 def test_kill_9_then_rerun_matches_uninterrupted(reference, tmp_path, kill_after):
-    """Killed right after step 6 is logged (its asynchronous save is in flight) or mid-way to the
-    next save: the rerun resumes from the last complete checkpoint, and every later loss
-    equals the uninterrupted run's."""
+    """Killed right after step 6 is logged (its asynchronous save may be in flight, or done)
+    or after step 7 with checkpoint 6 complete: the rerun resumes from the newest checkpoint
+    complete when the run was killed (recorded then: 3 if step 6's save was cut, else 6),
+    says so, logs every step after it again and no earlier one, and every later loss equals
+    the uninterrupted run's (as it would from an older checkpoint: the step is checked)."""
     args = ("train.steps=12", "train.save_every=3", "mesh.shape=1,2,2,2")
     proc = lwm_train(tmp_path, *args, wait=False)
     _wait_for_step(tmp_path, kill_after, proc)
-    deadline = time.time() + 120  # checkpoint 3 is saved asynchronously: let it complete
-    while not (tmp_path / "checkpoints" / "3" / "commit_success.txt").exists():
+    # Checkpoints are saved asynchronously: after step 6, let checkpoint 3 complete (6's may
+    # be in flight); after step 7, checkpoint 6, so that the rerun must take the newest.
+    saved = 3 if kill_after == 6 else 6
+    deadline = time.time() + 120
+    while not (tmp_path / "checkpoints" / str(saved) / "commit_success.txt").exists():
         assert time.time() < deadline and proc.poll() is None
         time.sleep(0.02)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+    complete = _complete_checkpoints(tmp_path)  # what the killed run left
+    assert complete[-1] in (3, 6) and complete[-1] >= saved, complete
+    logged = [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert (tmp_path / ".lock").is_file()  # the killed run's, left behind
     r = lwm_train(tmp_path, *args)
     assert r.returncode == 0, r.stderr
-    assert "resumed from checkpoint" in r.stderr
+    resumed = [int(x) for x in re.findall(r"resumed from checkpoint (\d+)", r.stderr)]
+    assert resumed == [complete[-1]], (resumed, complete, r.stderr[-2000:])
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    again = [json.loads(x)["step"] for x in lines[len(logged) :]]
+    assert again == list(range(complete[-1] + 1, 13)), again  # the rerun's steps
     assert (
         f"taking over the lock of train.output_dir '{tmp_path}' left by pid {proc.pid}" in r.stderr
     )
@@ -302,6 +321,7 @@ def test_kill_9_then_rerun_matches_uninterrupted(reference, tmp_path, kill_after
     assert sorted(got) == list(range(1, 13))
     for step in range(1, 13):
         assert got[step] == reference[step], (step, got[step], reference[step])
+    print(f"killed after step {kill_after}: resumed from checkpoint {complete[-1]}")
 
 
 def test_damaged_latest_checkpoint_falls_back(tmp_path):

@@ -457,6 +457,10 @@ def test_tokenizer_batched_sharded_round_trip(trained: tuple[Path, Path]) -> Non
     x = preprocess(jnp.asarray(frames.reshape(10, 24, 20, 3)), 16)
     direct = np.asarray(nnx.jit(lambda m, x: m.encode(x).codes)(model, x)).reshape(2, 5, 8, 8)
     assert np.array_equal(codes, direct)
+    # Decoded as the unsharded model decodes the same codes (`decode_codes`, then uint8).
+    frames_of = nnx.jit(lambda m, c: postprocess(m.decode_codes(c)))
+    direct = np.asarray(frames_of(model, jnp.asarray(codes.reshape(10, 8, 8))))
+    assert np.array_equal(decoded, direct.reshape(2, 5, 16, 16, 3))
     # Chunking and padding do not change results: one video at a time gives the same.
     assert np.array_equal(tok.decode(codes[1:]), decoded[1:])
     assert np.array_equal(tok.encode(frames[:1]), codes[:1])
