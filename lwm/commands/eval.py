@@ -128,9 +128,11 @@ def add_model_arguments(
 NEEDLE_OPTIONS: dict[str, tuple[str, tuple[str, ...], object]] = {}
 
 
-def _needle_option(group, option: str, kinds: tuple[str, ...], default=None, **kwargs) -> None:
+def _needle_option(
+    group, option: str, kinds: tuple[str, ...], default=None, *, help: str, **kwargs
+) -> None:
     """An option of the needle kinds ``kinds`` only: given with another --kind, an error."""
-    action = group.add_argument(option, default=argparse.SUPPRESS, **kwargs)
+    action = group.add_argument(option, default=argparse.SUPPRESS, help=help, **kwargs)
     NEEDLE_OPTIONS[option] = (action.dest, kinds, default)
 
 
