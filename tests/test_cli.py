@@ -101,6 +101,28 @@ def test_in_process_plan_and_help(capsys, monkeypatch) -> None:
     assert "--devices N" in capsys.readouterr().out
 
 
+def test_mesh_and_out_are_short_for_their_config_keys() -> None:
+    """`lwm train`, `lwm vqgan train` and `lwm info`: --mesh is mesh.shape=, --out (the
+    trainings) train.output_dir=; an option and its key both given is an error naming both."""
+    from argparse import Namespace
+
+    from lwm.commands import UsageError, config_overrides
+
+    args = Namespace(overrides=["train.steps=3"], mesh="1,2,2,2", out="runs/x")
+    assert config_overrides(args) == [
+        "train.steps=3",
+        "mesh.shape=1,2,2,2",
+        "train.output_dir=runs/x",
+    ]
+    assert config_overrides(Namespace(overrides=["a=1"], mesh=None)) == ["a=1"]  # lwm info
+    args = Namespace(overrides=["train.output_dir=runs/y"], mesh=None, out="runs/x")
+    with pytest.raises(UsageError) as e:
+        config_overrides(args)
+    assert str(e.value) == (
+        "--out runs/x and train.output_dir=runs/y both set train.output_dir; give one"
+    )
+
+
 PIPELINE = ["synthetic", "vqgan", "tokenize", "train", "info", "ask", "chat", "eval", "generate"]
 
 
