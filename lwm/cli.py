@@ -1,4 +1,10 @@
-"""The `lwm` command line: a registry of verbs, each a thin module under `lwm.commands`."""
+"""The `lwm` command line: a registry of verbs, each a thin module under `lwm.commands`.
+
+Every verb names the same thing the same way (`lwm.commands`): ``--config FILE``, ``--out``,
+``--vqgan DIR``, ``--mesh DP,FSDP,SP,TP``, ``--cpu-devices N``. Bare ``lwm`` lists the verbs
+(on stderr) and exits 2, as a verb given too little does; ``lwm --help`` lists them on stdout
+and exits 0; ``lwm --version`` prints the version.
+"""
 
 from __future__ import annotations
 
@@ -7,29 +13,45 @@ import importlib
 import os
 import sys
 from collections.abc import Callable, Sequence
+from types import ModuleType
 
 from lwm.base.lock import LockedError
+from lwm.commands import Parser
 from lwm.config import ConfigError
 
-# verb -> (module with `add_arguments(parser)` and `run(args) -> int`, one-line help).
+# verb -> (module with `add_arguments(parser)` and `run(args) -> int`, one-line help), in the
+# order of the pipeline: videos, their tokenizer, tokens, training, then the trained model.
 # Modules are imported only when their verb runs, so a verb pays only for its own imports.
 COMMANDS: dict[str, tuple[str, str]] = {
+    "synthetic": ("lwm.commands.synthetic", "synthetic videos of moving shapes with QA manifests"),
+    "vqgan": ("lwm.commands.vqgan", "the VQGAN video tokenizer: train, encode, decode, import"),
+    "tokenize": ("lwm.commands.tokenize", "videos, images and text to an LWM token dataset"),
+    "train": ("lwm.commands.train", "train the model (sharded, checkpointed, resumable)"),
     "info": (
         "lwm.commands.info",
         "show a config's parameter counts, FLOPs per token and per-device memory",
     ),
-    "train": ("lwm.commands.train", "train the model (sharded, checkpointed, resumable)"),
     "ask": ("lwm.commands.ask", "answer questions about a video with a trained model"),
     "chat": ("lwm.commands.chat", "a conversation about a video (one cache, many turns)"),
-    "generate": ("lwm.commands.generate", "generate a video from a caption (text-to-video)"),
     "eval": (
         "lwm.commands.eval",
         "evaluate a model: QA accuracy per category vs blind and swapped",
     ),
-    "tokenize": ("lwm.commands.tokenize", "videos, images and text to an LWM token dataset"),
-    "vqgan": ("lwm.commands.vqgan", "the VQGAN video tokenizer: train, encode, decode, import"),
-    "synthetic": ("lwm.commands.synthetic", "synthetic videos of moving shapes with QA manifests"),
+    "generate": ("lwm.commands.generate", "generate a video from a caption (text-to-video)"),
 }
+
+
+def version() -> str:
+    """The installed package's version (``lwm.__version__`` where it is not installed)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("lwm-jax")
+    except PackageNotFoundError:
+        import lwm
+
+        return getattr(lwm, "__version__", "unknown")
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
@@ -53,38 +75,66 @@ def user_errors() -> tuple[type[BaseException], ...]:
     )
 
 
-def _top_parser() -> argparse.ArgumentParser:
+def _listing() -> str:
     width = max(len(name) for name in COMMANDS)
-    listing = "\n".join(f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items())
-    parser = argparse.ArgumentParser(
+    verbs = "\n".join(f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items())
+    return (
+        f"commands, in the order of the pipeline:\n{verbs}\n\n"
+        "Run 'lwm COMMAND --help' for a command's options."
+    )
+
+
+def _top_parser() -> Parser:
+    parser = Parser(
         prog="lwm",
+        usage="lwm [-h] [--version] COMMAND [ARGS ...]",
         description="Long-video world model: configs, training and inference.",
-        epilog=f"commands:\n{listing}\n\nRun 'lwm COMMAND --help' for a command's options.",
+        epilog=_listing(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"lwm {version()}")
     parser.add_argument(
-        "command", choices=sorted(COMMANDS), metavar="COMMAND", help="one of the commands below"
+        "command", choices=list(COMMANDS), metavar="COMMAND", help="one of the commands below"
     )
     parser.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the `lwm` console script; returns the exit status."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    top_parser = _top_parser()
-    if not argv:
-        top_parser.print_help(sys.stderr)
-        return 2
-    top = top_parser.parse_args(argv)
-    module_name, help_ = COMMANDS[top.command]
+def verb_parser(name: str) -> tuple[ModuleType, Parser]:
+    """The module of verb ``name`` and its parser (with its subcommands' in the module's
+    ``SUBCOMMANDS``)."""
+    module_name, help_ = COMMANDS[name]
     module = importlib.import_module(module_name)
-    parser = argparse.ArgumentParser(
-        prog=f"lwm {top.command}",
+    parser = Parser(
+        prog=f"lwm {name}",
         description=module.__doc__ or help_,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     module.add_arguments(parser)
+    return module, parser
+
+
+def all_parsers() -> dict[str, Parser]:
+    """Every verb's parser and every subcommand's, by their names (``lwm vqgan encode``)."""
+    parsers = {}
+    for name in COMMANDS:
+        module, parser = verb_parser(name)
+        parsers[parser.prog] = parser
+        for sub in getattr(module, "SUBCOMMANDS", {}).values():
+            parsers[sub.prog] = sub
+    return parsers
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `lwm` console script; returns the exit status (bare `lwm`: the
+    verbs on stderr, and 2)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    top_parser = _top_parser()
+    if not argv:
+        print(f"usage: {top_parser.usage}\n\n{_listing()}", file=sys.stderr)
+        return 2
+    top = top_parser.parse_args(argv)
+    module, parser = verb_parser(top.command)
     # A verb with subcommands parses its own arguments (argparse cannot intermix subparsers).
     parse = getattr(module, "parse_args", None)
     args = parse(parser, top.args) if parse else parser.parse_intermixed_args(top.args)

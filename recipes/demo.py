@@ -219,7 +219,7 @@ def main() -> int:
         """`lwm tokenize` with the demo's VQGAN (resumable; skipped when complete)."""
         if not output.is_dir():
             run(
-                [*lwm, "tokenize", "--input", str(manifest), "--output", str(output)]
+                [*lwm, "tokenize", "--input", str(manifest), "--out", str(output)]
                 + ["--vqgan", str(vqgan), "--video-loss", "all", *cpu],
                 env=env,
             )

@@ -154,7 +154,7 @@ def main() -> int:
         if not tokens.is_dir():
             run(
                 [*lwm, "tokenize", "--input", str(out / "videos" / name / "manifest.jsonl")]
-                + ["--output", str(tokens), "--vqgan", str(vqgan), "--video-loss", "all", *cpu]
+                + ["--out", str(tokens), "--vqgan", str(vqgan), "--video-loss", "all", *cpu]
             )
 
     # 4. stage 1 at the short context

@@ -114,7 +114,7 @@ def main() -> int:
     tokens = out / "tokens"
     if not tokens.is_dir():
         run(
-            [*lwm, "tokenize", "--input", str(captions), "--output", str(tokens)]
+            [*lwm, "tokenize", "--input", str(captions), "--out", str(tokens)]
             + ["--vqgan", str(vqgan), "--text-first-ratio", str(args.text_first_ratio), *cpu]
         )
 

@@ -25,7 +25,7 @@ def _lwm(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_info_7b() -> None:
-    result = _lwm("info", "configs/7b.yaml")
+    result = _lwm("info", "--config", "configs/7b.yaml")
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "hidden_size: 4096" in out and "shape: 1,-1,1,1" in out
@@ -42,7 +42,7 @@ def test_a_reader_that_leaves_early_gets_no_traceback(unbuffered: str) -> None:
     or not): the output meets a closed pipe, and the command stops with status 1 and nothing
     on stderr."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "lwm", "info", "configs/7b.yaml"],
+        [sys.executable, "-m", "lwm", "info", "--config", "configs/7b.yaml"],
         cwd=ROOT,
         env=dict(os.environ, PYTHONUNBUFFERED=unbuffered),
         stdout=subprocess.PIPE,
@@ -68,12 +68,12 @@ def _assert_one_line_error(
 
 
 def test_unknown_key_is_one_line() -> None:
-    result = _lwm("info", "configs/7b.yaml", "model.not_a_field=1")
+    result = _lwm("info", "--config", "configs/7b.yaml", "model.not_a_field=1")
     _assert_one_line_error(result, "'model.not_a_field'", "hidden_size")
 
 
 def test_wrong_mesh_product_is_one_line() -> None:
-    result = _lwm("info", "configs/7b.yaml", "mesh.shape=1,3,1,1")
+    result = _lwm("info", "--config", "configs/7b.yaml", "mesh.shape=1,3,1,1")
     _assert_one_line_error(result, "'1,3,1,1'", "needs 3 devices but 8 are available")
 
 
@@ -81,10 +81,17 @@ def test_in_process_plan_and_help(capsys, monkeypatch) -> None:
     from lwm.cli import main
 
     monkeypatch.chdir(ROOT)
-    assert main(["info", "configs/7b_1m.yaml", "mesh.shape=1,-1,32,1", "--devices", "256"]) == 0
+    plan = ["info", "--config", "configs/7b_1m.yaml", "--devices", "256"]
+    assert main([*plan, "mesh.shape=1,-1,32,1"]) == 0
     out = capsys.readouterr().out
     assert "per device on mesh dp=1 fsdp=8 sp=32 tp=1 (256 devices)" in out
-    assert main(["info", "configs/missing.yaml"]) == 2
+    assert main([*plan, "--mesh", "1,-1,32,1"]) == 0  # the same, as the inference verbs say it
+    assert capsys.readouterr().out == out
+    assert main([*plan, "--mesh", "1,-1,32,1", "mesh.shape=1,-1,32,1"]) == 2
+    assert capsys.readouterr().err == (
+        "lwm info: error: --mesh 1,-1,32,1 and mesh.shape=1,-1,32,1 both set mesh.shape; give one\n"
+    )
+    assert main(["info", "--config", "configs/missing.yaml"]) == 2
     assert (
         capsys.readouterr().err == "lwm info: error: config file 'configs/missing.yaml' not found\n"
     )
@@ -92,6 +99,233 @@ def test_in_process_plan_and_help(capsys, monkeypatch) -> None:
         main(["info", "--help"])
     assert exit_info.value.code == 0
     assert "--devices N" in capsys.readouterr().out
+
+
+def test_mesh_and_out_are_short_for_their_config_keys() -> None:
+    """`lwm train`, `lwm vqgan train` and `lwm info`: --mesh is mesh.shape=, --out (the
+    trainings) train.output_dir=; an option and its key both given is an error naming both."""
+    from argparse import Namespace
+
+    from lwm.commands import UsageError, config_overrides
+
+    args = Namespace(overrides=["train.steps=3"], mesh="1,2,2,2", out="runs/x")
+    assert config_overrides(args) == [
+        "train.steps=3",
+        "mesh.shape=1,2,2,2",
+        "train.output_dir=runs/x",
+    ]
+    assert config_overrides(Namespace(overrides=["a=1"], mesh=None)) == ["a=1"]  # lwm info
+    args = Namespace(overrides=["train.output_dir=runs/y"], mesh=None, out="runs/x")
+    with pytest.raises(UsageError) as e:
+        config_overrides(args)
+    assert str(e.value) == (
+        "--out runs/x and train.output_dir=runs/y both set train.output_dir; give one"
+    )
+
+
+PIPELINE = ["synthetic", "vqgan", "tokenize", "train", "info", "ask", "chat", "eval", "generate"]
+
+
+def test_bare_lwm_lists_the_verbs_in_pipeline_order(capsys) -> None:
+    """Bare `lwm`: the verbs, one line each, in the order of the pipeline, on stderr, status 2
+    (as a verb given too little); `lwm --help` the same list on stdout, status 0."""
+    from lwm.cli import main
+
+    assert main([]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    start = lines.index("commands, in the order of the pipeline:") + 1
+    assert [line.split()[0] for line in lines[start : start + len(PIPELINE)]] == PIPELINE
+    assert lines[start + len(PIPELINE)] == ""  # one line each, then the end of the list
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    assert "\n".join(lines[start - 1 : start + len(PIPELINE)]) in capsys.readouterr().out
+
+
+def test_version(capsys) -> None:
+    from importlib.metadata import version
+
+    from lwm.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out == f"lwm {version('lwm-jax')}\n"
+
+
+def _options(parser) -> dict:
+    return {name: action for action in parser._actions for name in action.option_strings}
+
+
+def test_every_verb_names_the_same_things_the_same_way() -> None:
+    """One grammar (issue 54): a config is --config FILE, an output --out, a VQGAN --vqgan DIR,
+    a mesh --mesh DP,FSDP,SP,TP, simulated devices --cpu-devices N, in every verb and
+    subcommand that takes them; the old names are no option a --help lists; each verb
+    offers only what it uses."""
+    from lwm.cli import all_parsers
+
+    parsers = all_parsers()
+    assert [name.split()[1] for name in parsers if len(name.split()) == 2] == PIPELINE
+    subcommands = {name for name in parsers if len(name.split()) == 3}
+    assert subcommands == {
+        "lwm vqgan train",
+        "lwm vqgan encode",
+        "lwm vqgan decode",
+        "lwm vqgan import",
+        "lwm tokenize merge",
+        "lwm eval qa",
+        "lwm eval needle",
+    }
+    same = {
+        "--config": "FILE",
+        "--vqgan": "DIR",
+        "--mesh": "DP,FSDP,SP,TP",
+        "--cpu-devices": "N",
+        "--tokenizer": "DIR",
+        "--max-frames": "N",
+    }
+    for name, parser in parsers.items():
+        options = _options(parser)
+        old = {"--output", "--checkpoint", "--merge", "--ckpt", "-o", "--devices-cpu"}
+        assert not old & set(options), name
+        positionals = {a.dest for a in parser._actions if not a.option_strings}
+        assert not positionals & {"config", "out", "output", "vqgan", "checkpoint"}, name
+        for flag, metavar in same.items():
+            if flag in options:
+                assert options[flag].metavar == metavar, (name, flag)
+                assert options[flag].option_strings == [flag], (name, flag)
+        if "--out" in options:
+            assert options["--out"].metavar in ("DIR", "FILE"), name
+        if "--mesh" in options:  # a mesh of more devices than a CPU host has
+            assert "--cpu-devices" in options, name
+        for old_name, new_name in getattr(parser, "renamed", {}).items():
+            assert new_name in options and old_name not in options, (name, old_name)
+
+    def having(flag: str) -> set[str]:
+        return {name for name, parser in parsers.items() if flag in _options(parser)}
+
+    assert having("--vqgan") == {
+        "lwm vqgan encode",
+        "lwm vqgan decode",
+        "lwm tokenize",
+        "lwm ask",
+        "lwm chat",
+        "lwm eval qa",
+        "lwm eval needle",
+        "lwm generate",
+    }
+    models = {"lwm ask", "lwm chat", "lwm eval qa", "lwm eval needle", "lwm generate"}
+    assert having("--mesh") == {"lwm vqgan train", "lwm train", "lwm info", *models}
+    assert having("--config") == {"lwm vqgan train", "lwm vqgan import", "lwm train"} | {
+        "lwm info",
+        *models,
+    }
+    assert "lwm chat" not in having("--batch-size")  # one conversation
+    assert "lwm eval needle" not in having("--max-frames") | having("--fps")  # no video files
+    assert _options(parsers["lwm tokenize merge"]).keys() == {"-h", "--help", "--out", "--strict"}
+
+
+def test_old_spellings_work_with_one_notice(tmp_path, capsys, monkeypatch) -> None:
+    """Each old spelling does what the new one does, with one line more on stderr first:
+    ``PROG: warning: OLD is deprecated, use NEW``."""
+    from lwm.cli import main
+
+    monkeypatch.chdir(ROOT)
+    missing = str(tmp_path / "missing")
+    cases = [  # (old, new)
+        (
+            ["info", "configs/tiny.yaml", "--devices", "8"],
+            ["info", "--config", "configs/tiny.yaml"],
+        ),
+        (["tokenize", "--merge", missing], ["tokenize", "merge", "--out", missing]),
+        (["tokenize", "--merge=" + missing], ["tokenize", "merge", "--out", missing]),
+        (
+            ["tokenize", "--input", missing, "--output", missing, "--vqgan", missing],
+            ["tokenize", "--input", missing, "--out", missing, "--vqgan", missing],
+        ),
+        (
+            ["vqgan", "encode", missing, "--checkpoint", missing],
+            ["vqgan", "encode", missing, "--vqgan", missing],
+        ),
+        (
+            ["vqgan", "decode", missing, "--checkpoint=" + missing, "--out", "x.mp4"],
+            ["vqgan", "decode", missing, "--vqgan=" + missing, "--out", "x.mp4"],
+        ),
+    ]
+    notices = []
+    for old, new in cases:
+        if old[0] == "info":
+            new = [*new, "--devices", "8"]
+        status = main(old)
+        before = capsys.readouterr()
+        assert main(new) == status, old
+        after = capsys.readouterr()
+        assert before.out == after.out, old
+        notice, rest = before.err.split("\n", 1)
+        assert rest == after.err, old
+        assert notice.startswith(f"lwm {old[0]}") and ": warning: " in notice, notice
+        assert " is deprecated, use " in notice, notice
+        notices.append(notice)
+    assert notices[0] == (
+        "lwm info: warning: the config as a positional argument is deprecated, "
+        "use --config configs/tiny.yaml"
+    )
+    assert (
+        notices[1]
+        == "lwm tokenize: warning: --merge OUT is deprecated, use lwm tokenize merge --out OUT"
+    )
+    assert notices[3] == "lwm tokenize: warning: --output is deprecated, use --out"
+    assert notices[4] == "lwm vqgan encode: warning: --checkpoint is deprecated, use --vqgan"
+    assert notices[5] == "lwm vqgan decode: warning: --checkpoint is deprecated, use --vqgan"
+    # an option given twice in its old spelling: still one notice
+    assert main(["vqgan", "encode", missing, "--checkpoint", "a", "--checkpoint", "b"]) == 2
+    assert capsys.readouterr().err.count("deprecated") == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_tokenize_merge_takes_only_its_own_options(tmp_path, capsys) -> None:
+    from lwm.cli import main
+
+    out = tmp_path / "tokens"
+    assert main(["tokenize", "merge", "--out", str(out)]) == 2
+    assert capsys.readouterr().err == (
+        f"lwm tokenize: error: no tokenize job to merge for '{out}': '{out}.partial' does not "
+        "exist (run the shards, `lwm tokenize ... --shard I/N`, first)\n"
+    )
+    for argv, message in [
+        ([], "the following arguments are required: --out"),
+        (["--out", str(out), "--input", "x"], "unrecognized arguments: --input x"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            main(["tokenize", "merge", *argv])
+        assert exit_info.value.code == 2
+        assert capsys.readouterr().err == (
+            f"lwm tokenize merge: error: {message} (see 'lwm tokenize merge --help')\n"
+        )
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_each_needle_kind_takes_only_its_own_options(tmp_path, capsys) -> None:
+    """`lwm eval needle --kind text --clip-frames 3` is refused (before any model loads),
+    naming the option and the kinds it is for."""
+    from lwm.cli import main
+
+    needle = ["eval", "needle", "--model", f"run:{tmp_path / 'none'}", "--lengths", "9"]
+    needle += ["--out", str(tmp_path / "out")]
+    for kind, option in [
+        ("text", "--clip-frames 3"),
+        ("video", "--haystack h"),
+        ("text", "--asked 1"),
+    ]:
+        assert main([*needle, "--kind", kind, *option.split()]) == 2
+        flag = option.split()[0]
+        kinds = {"--clip-frames": "video", "--haystack": "text and multi", "--asked": "multi"}
+        assert capsys.readouterr().err == (
+            f"lwm eval: error: {flag} is an option of --kind {kinds[flag]}, not of --kind {kind}\n"
+        )
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_synthetic_verb_writes_a_manifest_and_refuses_an_impossible_world(tmp_path) -> None:
@@ -168,8 +402,11 @@ BAD_ARGUMENTS = [
      "argument --temperature: expected a number >= 0"),
     (["ask", "--model", "run:x", "--video", "v", "--question", "q", "--fps", "0"],
      "argument --fps: expected a positive number, got '0'"),
-    (["vqgan", "encode", "v.mp4", "--checkpoint", "x", "--max-frames", "-2"], "--max-frames"),
-    (["vqgan", "decode", "c.npy", "--checkpoint", "x", "--out", "x.mp4", "--fps", "0"], "--fps"),
+    (["vqgan", "encode", "v.mp4", "--vqgan", "x", "--max-frames", "-2"], "--max-frames"),
+    (["vqgan", "decode", "c.npy", "--vqgan", "x", "--out", "x.mp4", "--fps", "0"], "--fps"),
+    (["chat", "--model", "run:x", "--batch-size", "4"], "unrecognized arguments: --batch-size"),
+    (["eval", "needle", "--model", "run:x", "--lengths", "9", "--out", "o", "--max-frames", "4"],
+     "unrecognized arguments: --max-frames 4"),
 ]  # fmt: skip
 
 
@@ -183,6 +420,7 @@ def test_bad_values_are_refused_before_any_work(argv, message, tmp_path, capsys)
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1 and err.startswith(f"lwm {argv[0]}"), err
     assert list(tmp_path.iterdir()) == []
 
 
@@ -200,7 +438,7 @@ def test_an_output_of_the_wrong_kind_is_refused_before_any_work(tmp_path, capsys
         (["eval", "needle", *model, "--lengths", "100", "--out", str(file)], "is a file"),
         (["generate", *model, "--prompt", "p", "--out", str(folder)], "is a folder"),
         (["synthetic", "--out", str(file)], "is a file; give a folder"),
-        (["vqgan", "decode", str(file), "--checkpoint", "x", "--out", str(folder)], "is a folder"),
+        (["vqgan", "decode", str(file), "--vqgan", "x", "--out", str(folder)], "is a folder"),
         (["vqgan", "import", str(file), "--out", str(file)], "is a file; give a folder"),
     ]
     for argv, message in cases:

@@ -23,7 +23,7 @@ def run(tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("tiny") / "run"
     args = ["--config", str(ROOT / "configs/debug.yaml"), "train.steps=1", "train.progress=false"]
     args += ["model.text_vocab_size=4096", "model.max_seq_len=512", "model.vision_codes=64"]
-    args += [f"train.output_dir={run}", "train.batch_size=8", "train.seq_len=64"]
+    args += ["--out", str(run), "train.batch_size=8", "train.seq_len=64"]
     args += ["train.peak_flops=1e9"]
     assert lwm(["train", *args]) == 0
     return run

@@ -154,7 +154,7 @@ def test_info_takes_the_cpu_devices_its_mesh_error_names() -> None:
     from conftest import subprocess_xla_flags
 
     env = dict(os.environ, XLA_FLAGS=subprocess_xla_flags())
-    cmd = [sys.executable, "-m", "lwm", "info", str(CONFIGS / "demo.yaml")]
+    cmd = [sys.executable, "-m", "lwm", "info", "--config", str(CONFIGS / "demo.yaml")]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "needs 2 devices but 1 is available" in r.stderr, r.stderr
     assert "--cpu-devices 2" in r.stderr and len(r.stderr.strip().splitlines()) == 1

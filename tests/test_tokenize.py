@@ -64,7 +64,7 @@ def check_vision_span(record, codec: TextCodec, frames: int) -> tuple[int, int]:
 def test_folder_of_videos_with_broken_files(tmp_path, media, vqgan_dir, capsys):
     folder, broken = media
     out = tmp_path / "tokens"
-    args = ["--input", str(folder), "--output", str(out), "--vqgan", str(vqgan_dir)]
+    args = ["--input", str(folder), "--out", str(out), "--vqgan", str(vqgan_dir)]
     code = lwm(["tokenize", *args, *FAST, "--max-frames", "8", "--min-frames", "3"])
     err = capsys.readouterr().err
     assert code == 0, err
@@ -106,7 +106,7 @@ def test_folder_of_videos_with_broken_files(tmp_path, media, vqgan_dir, capsys):
 
     # --strict: the same errors, a non-zero exit, no dataset
     strict_out = tmp_path / "strict"
-    code = lwm(["tokenize", *args[:2], "--output", str(strict_out), *args[4:], *FAST, "--strict"])
+    code = lwm(["tokenize", *args[:2], "--out", str(strict_out), *args[4:], *FAST, "--strict"])
     err = capsys.readouterr().err
     assert code == 1 and not strict_out.exists()
     for name in broken:
@@ -114,7 +114,7 @@ def test_folder_of_videos_with_broken_files(tmp_path, media, vqgan_dir, capsys):
             assert str(folder / name) in (tmp_path / "strict.errors.txt").read_text()
             assert f"failed: {folder / name}: " in err
     # the finished work is kept: without --strict it is published at once, nothing re-encoded
-    assert lwm(["tokenize", *args[:2], "--output", str(strict_out), *args[4:], *FAST]) == 0
+    assert lwm(["tokenize", *args[:2], "--out", str(strict_out), *args[4:], *FAST]) == 0
     assert "0 frames encoded" in capsys.readouterr().err
     assert len(read_records(strict_out)) == 5  # the 2-frame video is fine without --min-frames
 
@@ -123,13 +123,13 @@ def test_folder_of_videos_with_broken_files(tmp_path, media, vqgan_dir, capsys):
     name = next(n for n in broken if n != "short.mp4")
     bad.write_text(json.dumps({"video": str(folder / name), "text": "x"}) + "\n")
     none = tmp_path / "none"
-    assert lwm(["tokenize", "--input", str(bad), "--output", str(none), *args[4:], *FAST]) == 1
+    assert lwm(["tokenize", "--input", str(bad), "--out", str(none), *args[4:], *FAST]) == 1
     assert "no item could be tokenized; nothing written" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.glob("none*")) == ["none.errors.txt"]
     # a tokenizer folder that holds none is named before any work
     (tmp_path / "empty").mkdir()
     extra = ["--tokenizer", str(tmp_path / "empty")]
-    assert lwm(["tokenize", *args[:2], "--output", str(none), *args[4:], *FAST, *extra]) == 2
+    assert lwm(["tokenize", *args[:2], "--out", str(none), *args[4:], *FAST, *extra]) == 2
     assert "tokenizer folder '" in capsys.readouterr().err and not none.exists()
 
 
@@ -155,7 +155,7 @@ def test_manifest_qa_image_text_and_llama_tokenizer(tmp_path, media, vqgan_dir, 
     manifest.write_text("".join(json.dumps(line) + "\n" for line in lines))
     out = tmp_path / "tokens"
     code = lwm(
-        ["tokenize", "--input", str(manifest), "--output", str(out), "--vqgan", str(vqgan_dir)]
+        ["tokenize", "--input", str(manifest), "--out", str(out), "--vqgan", str(vqgan_dir)]
         + ["--tokenizer", str(llama), "--fps", "4", "--text-first-ratio", "1", *FAST]
     )
     err = capsys.readouterr().err
@@ -268,7 +268,7 @@ def test_killed_run_resumes_to_the_same_dataset(tmp_path, synthetic, vqgan_dir, 
     out = tmp_path / "resumed"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.Popen(
-        [sys.executable, "-c", HANG_AFTER, "2", "tokenize", *common, "--output", str(out)]
+        [sys.executable, "-c", HANG_AFTER, "2", "tokenize", *common, "--out", str(out)]
         + ["--workers", "1"],
         cwd=ROOT,
         env=env,
@@ -287,10 +287,10 @@ def test_killed_run_resumes_to_the_same_dataset(tmp_path, synthetic, vqgan_dir, 
     done = sorted(work.glob("chunk-*.json"))
     assert not out.exists() and len(done) == 2  # of 6 videos x (caption, QA) lines
 
-    assert lwm(["tokenize", *common, "--output", str(out), "--workers", "0"]) == 0
+    assert lwm(["tokenize", *common, "--out", str(out), "--workers", "0"]) == 0
     assert f"resuming: {len(done)} of 12 chunks" in capsys.readouterr().err
     reference = tmp_path / "reference"
-    assert lwm(["tokenize", *common, "--output", str(reference), "--workers", "0"]) == 0
+    assert lwm(["tokenize", *common, "--out", str(reference), "--workers", "0"]) == 0
 
     assert_same_dataset(out, reference)
 
@@ -300,10 +300,10 @@ def test_rerun_with_other_arguments_is_refused(tmp_path, synthetic, vqgan_dir, c
     out = tmp_path / "tokens"
     (tmp_path / "tokens.partial").mkdir()
     (tmp_path / "tokens.partial" / "job.json").write_text(json.dumps({"max_frames": 3}))
-    assert lwm(["tokenize", *common, "--output", str(out)]) == 2
+    assert lwm(["tokenize", *common, "--out", str(out)]) == 2
     assert "other arguments" in capsys.readouterr().err and not out.exists()
     out.mkdir()
-    assert lwm(["tokenize", *common, "--output", str(out)]) == 2
+    assert lwm(["tokenize", *common, "--out", str(out)]) == 2
     assert "already exists" in capsys.readouterr().err
 
 
@@ -311,7 +311,7 @@ def test_bad_manifest_line_is_one_clear_error(tmp_path, vqgan_dir, capsys):
     manifest = tmp_path / "m.jsonl"
     manifest.write_text('{"video": "a.mp4"}\n{"video": 3\n')
     code = lwm(
-        ["tokenize", "--input", str(manifest), "--output", str(tmp_path / "o")]
+        ["tokenize", "--input", str(manifest), "--out", str(tmp_path / "o")]
         + ["--vqgan", str(vqgan_dir), *FAST]
     )
     err = capsys.readouterr().err
@@ -344,7 +344,7 @@ def test_train_runs_on_a_tokenized_dataset_and_evaluates_held_out_qa(
     data = tmp_path / "tokens"
     assert (
         lwm(
-            ["tokenize", "--input", str(synthetic), "--output", str(data)]
+            ["tokenize", "--input", str(synthetic), "--out", str(data)]
             + ["--vqgan", str(vqgan_dir), *FAST]
         )
         == 0
@@ -462,7 +462,7 @@ def test_train_refuses_a_dataset_with_a_larger_text_vocabulary(
     tmp_path, synthetic, vqgan_dir, capsys
 ):
     data = tmp_path / "tokens"
-    args = ["tokenize", "--input", str(synthetic), "--output", str(data), "--vqgan"]
+    args = ["tokenize", "--input", str(synthetic), "--out", str(data), "--vqgan"]
     assert lwm([*args, str(vqgan_dir), *FAST]) == 0
     overrides = [f"data.source={data}", f"train.output_dir={tmp_path / 'run'}"]
     overrides += ["model.text_vocab_size=256", "train.seq_len=512", "train.steps=1"]
@@ -482,7 +482,7 @@ def one_process(tmp_path_factory, synthetic, vqgan_dir):
     """The dataset of one process, which every way of sharing the job must reproduce."""
     out = tmp_path_factory.mktemp("one_process") / "tokens"
     args = ["--input", str(synthetic), "--vqgan", str(vqgan_dir), *SHARED]
-    assert lwm(["tokenize", *args, "--output", str(out)]) == 0
+    assert lwm(["tokenize", *args, "--out", str(out)]) == 0
     return out
 
 
@@ -522,7 +522,7 @@ def test_ctrl_c_stops_with_its_workers_and_keeps_the_finished_chunks(
     workers wait for work: exit 130 at once with one line, no traceback, the finished chunks
     kept. The workers took the signal too and died inside the task queue's lock, printing
     their tracebacks, and the pool's terminate then waited for that lock, at times forever."""
-    common = ["--input", str(synthetic), "--vqgan", str(vqgan_dir), "--output", str(tmp_path / "t")]
+    common = ["--input", str(synthetic), "--vqgan", str(vqgan_dir), "--out", str(tmp_path / "t")]
     common += ["--chunk-size", "1", "--batch-frames", "16", "--no-progress", "--workers", "2"]
     idle = tmp_path / "workers-idle"
     # A terminal's foreground job starts with Ctrl-C's default action; a suite run in the
@@ -573,7 +573,7 @@ def test_shards_killed_rerun_and_merged_equal_one_process(
             "1",
             "tokenize",
             *args,
-            "--output",
+            "--out",
             str(out),
             "--shard",
             "1/2",
@@ -593,19 +593,19 @@ def test_shards_killed_rerun_and_merged_equal_one_process(
     proc.stderr.close()
     assert (tmp_path / "tokens.lock.1").is_file()  # the dead shard's lock
 
-    assert lwm(["tokenize", *args, "--output", str(out), "--shard", "0/2"]) == 0
+    assert lwm(["tokenize", *args, "--out", str(out), "--shard", "0/2"]) == 0
     err = capsys.readouterr().err
     assert "shard 0/2: made 6 of the 12 chunks" in err and "still to do" in err
     assert not out.exists()
     # Merging before every chunk is done names the missing ones and writes nothing.
-    assert lwm(["tokenize", "--merge", str(out)]) == 2
+    assert lwm(["tokenize", "merge", "--out", str(out)]) == 2
     assert "are not done in" in capsys.readouterr().err and not out.exists()
 
-    assert lwm(["tokenize", *args, "--output", str(out), "--shard", "1/2"]) == 0
+    assert lwm(["tokenize", *args, "--out", str(out), "--shard", "1/2"]) == 0
     err = capsys.readouterr().err
     assert f"taking over the lock of '{out}' left by pid {proc.pid}" in err
     assert f"publish with `lwm tokenize --merge {out}`" in err
-    assert lwm(["tokenize", "--merge", str(out)]) == 0
+    assert lwm(["tokenize", "merge", "--out", str(out)]) == 0
     assert f"wrote {out} (12 records" in capsys.readouterr().err
     assert_same_dataset(out, one_process)
     assert not work.exists() and not list(tmp_path.glob("tokens.lock*"))
@@ -625,7 +625,7 @@ def test_a_jax_distributed_job_killed_and_rerun_equals_one_process(
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         args = ["--input", str(synthetic), "--vqgan", str(vqgan_dir), *SHARED]
-        args += ["--output", str(out), "--coordinator", f"127.0.0.1:{port}"]
+        args += ["--out", str(out), "--coordinator", f"127.0.0.1:{port}"]
         args += ["--num-processes", "2", "--cpu-devices", "2"]
         return [
             subprocess.Popen(
@@ -694,7 +694,7 @@ def test_a_second_run_on_an_output_in_use_is_refused(tmp_path, synthetic, vqgan_
     try:
         assert holder.stdout.readline() == "held\n"
         args = ["--input", str(synthetic), "--vqgan", str(vqgan_dir), *SHARED]
-        assert lwm(["tokenize", *args, "--output", str(tokens)]) == 2
+        assert lwm(["tokenize", *args, "--out", str(tokens)]) == 2
         err = capsys.readouterr().err
         assert f"lwm tokenize: error: '{tokens}' is in use by another run: pid {holder.pid}" in err
         assert not tokens.exists() and not (tmp_path / "tokens.partial").exists()

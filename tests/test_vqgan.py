@@ -417,7 +417,7 @@ def test_encode_writes_the_codes_to_the_name_given(
 
     video = tmp_path / "v.mp4"
     write_mp4(video, np.zeros((2, 16, 16, 3), np.uint8))
-    encode = ["vqgan", "encode", str(video), "--checkpoint", str(trained[0])]
+    encode = ["vqgan", "encode", str(video), "--vqgan", str(trained[0])]
     out = tmp_path / "codes"
     assert main([*encode, "--out", str(out)]) == 0
     assert np.load(out).shape == (1, 2, 8, 8) and sorted(os.listdir(tmp_path)) == ["codes", "v.mp4"]
@@ -425,7 +425,7 @@ def test_encode_writes_the_codes_to_the_name_given(
     fake = tmp_path / "fake.mp4"
     fake.write_text("not a video")
     capfd.readouterr()
-    assert main(["vqgan", "encode", str(fake), "--checkpoint", str(trained[0])]) == 2
+    assert main(["vqgan", "encode", str(fake), "--vqgan", str(trained[0])]) == 2
     assert capfd.readouterr().err == (
         f"lwm vqgan: error: cannot read video '{fake}': unknown format, or the file is damaged\n"
     )

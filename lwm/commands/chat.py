@@ -24,7 +24,7 @@ from lwm.commands.eval import add_model_arguments, load_video_qa
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_model_arguments(parser)
+    add_model_arguments(parser, batch=False, prefill_chunk="512 tokens")
     parser.add_argument("--video", help="a video (or image) file; none: a text conversation")
     parser.add_argument(
         "--question",

@@ -23,7 +23,9 @@ manifest's order, each after the model's own earlier answers, as `lwm chat` asks
 swap ablation, one conversation about the other video).
 
 Videos are sampled as the run's training dataset was (its metadata) unless --max-frames/--fps
-say otherwise; --vqgan and --tokenizer default to the dataset's too. --model takes run:DIR (an
+say otherwise; --vqgan and --tokenizer default to the dataset's too. Each --kind of `needle`
+takes only its own options (--haystack: text and multi; --needles, --asked: multi; --vqgan,
+--clip-frames and the other shape options: video); one given for another kind is an error. --model takes run:DIR (an
 `lwm train` output) or any weights source with --config (hf:, lwm:/params::, orbax:).
 """
 
@@ -38,45 +40,64 @@ from pathlib import Path
 from data.synthetic import DEMO_WORLD
 from lwm.commands import (
     add_cpu_devices,
+    add_mesh,
     fraction_range,
     non_negative_float,
     output_file,
     output_folder,
+    parse_subcommand,
     positive_float,
     positive_int,
     top_p,
 )
 
-_SUBPARSERS: dict[str, argparse.ArgumentParser] = {}
+SUBCOMMANDS: dict[str, argparse.ArgumentParser] = {}
 
 
-def add_model_source_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of every verb that runs a trained model: which model, VQGAN, tokenizer and
-    mesh."""
+def add_model_source_arguments(p: argparse.ArgumentParser, *, vqgan: bool = True) -> None:
+    """The options of every verb that runs a trained model: which model, VQGAN (``vqgan``:
+    here; else the verb adds it where it fits), tokenizer and mesh."""
     p.add_argument("--model", required=True, help="run:DIR, or hf:/lwm:/orbax: with --config")
-    p.add_argument("--config", help="model config (needed unless --model is run:DIR)")
-    p.add_argument("--vqgan", help="VQGAN folder (default: the one of the training dataset)")
-    p.add_argument("--tokenizer", help="text tokenizer folder (default: the training dataset's)")
-    p.add_argument("--mesh", help="dp,fsdp,sp,tp to shard the model over (default: 1 device)")
+    p.add_argument(
+        "--config", metavar="FILE", help="model config (needed unless --model is run:DIR)"
+    )
+    if vqgan:
+        p.add_argument(
+            "--vqgan", metavar="DIR", help="VQGAN folder (default: the one of the training dataset)"
+        )
+    p.add_argument(
+        "--tokenizer", metavar="DIR", help="text tokenizer folder (default: the training dataset's)"
+    )
+    add_mesh(p, "the device mesh to shard the model over (default: 1 device)")
     add_cpu_devices(p)
 
 
-def add_model_arguments(p: argparse.ArgumentParser) -> None:
+def add_model_arguments(
+    p: argparse.ArgumentParser,
+    *,
+    videos: bool = True,
+    batch: bool = True,
+    prefill_chunk: str = "the whole prompt at once",
+) -> None:
     """The options `lwm ask`, `lwm chat` and `lwm eval` share: which model, how videos become
-    prompts, how answers are decoded."""
-    add_model_source_arguments(p)
-    p.add_argument(
-        "--max-frames",
-        type=positive_int,
-        help="frames per video, evenly spaced (default: as the training dataset was sampled)",
-    )
-    p.add_argument(
-        "--fps", type=positive_float, help="frame rate to sample at (default: as in training)"
-    )
+    prompts (``videos``: from video files), how answers are decoded (``batch``: several
+    prompts per call; ``prefill_chunk``: what its default is)."""
+    add_model_source_arguments(p, vqgan=videos)
+    if videos:
+        p.add_argument(
+            "--max-frames",
+            type=positive_int,
+            metavar="N",
+            help="frames per video, evenly spaced (default: as the training dataset was sampled)",
+        )
+        p.add_argument(
+            "--fps", type=positive_float, help="frame rate to sample at (default: as in training)"
+        )
     p.add_argument(
         "--max-new-tokens",
         type=positive_int,
         default=16,
+        metavar="N",
         help="the most tokens an answer may have (default 16)",
     )
     p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
@@ -86,18 +107,33 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         default=1.0,
         help="sample from the likeliest tokens whose probabilities sum to this (default 1: all)",
     )
-    p.add_argument(
-        "--batch-size",
-        type=positive_int,
-        default=32,
-        help="prompts per generate call (default 32; lwm chat has one conversation and ignores it)",
-    )
+    if batch:
+        p.add_argument(
+            "--batch-size",
+            type=positive_int,
+            default=32,
+            metavar="N",
+            help="prompts per generate call (default 32)",
+        )
     p.add_argument(
         "--prefill-chunk",
         type=positive_int,
+        metavar="N",
         help="prefill prompts in chunks of N tokens (bounds memory by the cache, not the prompt; "
-        "default: the whole prompt at once, 512 in lwm chat)",
+        f"default: {prefill_chunk})",
     )
+
+
+# `lwm eval needle`'s options that one --kind uses or some: option -> (dest, kinds, default)
+NEEDLE_OPTIONS: dict[str, tuple[str, tuple[str, ...], object]] = {}
+
+
+def _needle_option(
+    group, option: str, kinds: tuple[str, ...], default=None, *, help: str, **kwargs
+) -> None:
+    """An option of the needle kinds ``kinds`` only: given with another --kind, an error."""
+    action = group.add_argument(option, default=argparse.SUPPRESS, help=help, **kwargs)
+    NEEDLE_OPTIONS[option] = (action.dest, kinds, default)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -108,7 +144,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         description="QA accuracy per category: model, swapped videos, blind",
     )
     add_model_arguments(p)
-    p.add_argument("--manifest", required=True, help="JSONL with QA lines (held-out videos)")
+    p.add_argument(
+        "--manifest", required=True, metavar="FILE", help="JSONL with QA lines (held-out videos)"
+    )
     p.add_argument(
         "--train-manifest",
         help="training QA manifest for the blind baseline (default: the dataset's input)",
@@ -121,15 +159,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "manifest's order, each after the model's own earlier answers (as `lwm chat` does; "
         "default: each question alone, as `lwm ask` does)",
     )
-    p.add_argument("--out", help="write the JSON lines here instead of stdout")
-    _SUBPARSERS["qa"] = p
+    p.add_argument("--out", metavar="FILE", help="write the JSON lines here instead of stdout")
+    SUBCOMMANDS["qa"] = p
 
     p = sub.add_parser(
         "needle",
         help="needle in a haystack (text, multi, video): a heatmap",
         description="needle in a haystack (text, multi, video): a heatmap",
     )
-    add_model_arguments(p)
+    add_model_arguments(p, videos=False)
     p.add_argument(
         "--kind",
         choices=("text", "multi", "video"),
@@ -151,47 +189,78 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--samples", type=positive_int, default=1, help="cases per cell (default 1)")
     p.add_argument(
-        "--needles", type=positive_int, default=4, help="multi: needles inserted (default 4)"
-    )
-    p.add_argument("--asked", type=positive_int, default=2, help="multi: needles asked (default 2)")
-    p.add_argument("--haystack", help="text file of the haystack (default: lwm/haystack.txt)")
-    p.add_argument(
-        "--clip-frames",
-        type=positive_int,
-        default=4,
-        help="video: frames per clip (at least 3; default 4)",
-    )
-    p.add_argument(
-        "--needle-frames", type=positive_int, default=1, help="video: needle frames (default 1)"
-    )
-    p.add_argument(
-        "--max-objects",
-        type=positive_int,
-        default=DEMO_WORLD["max_objects"],
-        help="video: shapes per clip (default: the demo's world)",
-    )
-    p.add_argument(
-        "--radius",
-        type=fraction_range,
-        default=tuple(DEMO_WORLD["radius"]),
-        help="video: LO,HI, shape radius range (default: the demo's world)",
-    )
-    p.add_argument(
-        "--needle-radius",
-        type=fraction_range,
-        help="video: LO,HI, the needle's radius range (default: --radius)",
-    )
-    p.add_argument(
-        "--needle-colours",
-        type=_names,
-        help="video: the needle's colours, which no shape of the haystack has "
-        "(e.g. white,cyan; default: any colour, which the haystack then avoids)",
-    )
-    p.add_argument(
         "--seed", type=int, default=0, help="draws the needles and their places (default 0)"
     )
-    p.add_argument("--out", required=True, help="folder for needle-KIND.jsonl and .png")
-    _SUBPARSERS["needle"] = p
+    p.add_argument(
+        "--out", required=True, metavar="DIR", help="folder for needle-KIND.jsonl and .png"
+    )
+    NEEDLE_OPTIONS.clear()
+    text = p.add_argument_group("--kind text and multi")
+    _needle_option(
+        text,
+        "--haystack",
+        ("text", "multi"),
+        metavar="FILE",
+        help="text file of the haystack (default: lwm/haystack.txt)",
+    )
+    multi = p.add_argument_group("--kind multi")
+    _needle_option(
+        multi, "--needles", ("multi",), 4, type=positive_int, help="needles inserted (default 4)"
+    )
+    _needle_option(
+        multi, "--asked", ("multi",), 2, type=positive_int, help="needles asked (default 2)"
+    )
+    video = p.add_argument_group("--kind video")
+    _needle_option(
+        video,
+        "--vqgan",
+        ("video",),
+        metavar="DIR",
+        help="VQGAN folder (default: the one of the training dataset)",
+    )
+    _needle_option(
+        video,
+        "--clip-frames",
+        ("video",),
+        4,
+        type=positive_int,
+        help="frames per clip (at least 3; default 4)",
+    )
+    _needle_option(
+        video, "--needle-frames", ("video",), 1, type=positive_int, help="needle frames (default 1)"
+    )
+    _needle_option(
+        video,
+        "--max-objects",
+        ("video",),
+        DEMO_WORLD["max_objects"],
+        type=positive_int,
+        help="shapes per clip (default: the demo's world)",
+    )
+    _needle_option(
+        video,
+        "--radius",
+        ("video",),
+        tuple(DEMO_WORLD["radius"]),
+        type=fraction_range,
+        help="LO,HI, shape radius range (default: the demo's world)",
+    )
+    _needle_option(
+        video,
+        "--needle-radius",
+        ("video",),
+        type=fraction_range,
+        help="LO,HI, the needle's radius range (default: --radius)",
+    )
+    _needle_option(
+        video,
+        "--needle-colours",
+        ("video",),
+        type=_names,
+        help="the needle's colours, which no shape of the haystack has (e.g. white,cyan; "
+        "default: any colour, which the haystack then avoids)",
+    )
+    SUBCOMMANDS["needle"] = p
 
 
 def _numbers(kind):
@@ -215,11 +284,7 @@ def _names(text: str) -> list[str]:
 
 
 def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
-    if argv and argv[0] in _SUBPARSERS:
-        args = _SUBPARSERS[argv[0]].parse_intermixed_args(list(argv[1:]))
-        args.subcommand = argv[0]
-        return args
-    return parser.parse_args(list(argv))
+    return parse_subcommand(parser, SUBCOMMANDS, argv)
 
 
 def load_video_qa(args: argparse.Namespace, log, *, vqgan: bool = True):
@@ -235,12 +300,12 @@ def load_video_qa(args: argparse.Namespace, log, *, vqgan: bool = True):
         mesh=make_mesh(args.mesh) if args.mesh else None,
         vqgan=args.vqgan if vqgan else False,
         tokenizer=args.tokenizer,
-        max_frames=args.max_frames,
-        fps=args.fps,
+        max_frames=getattr(args, "max_frames", None),
+        fps=getattr(args, "fps", None),
         log=log,
         max_new_tokens=args.max_new_tokens,
         sampling=Sampling(temperature=args.temperature, top_p=args.top_p),
-        batch_size=args.batch_size,
+        batch_size=getattr(args, "batch_size", 1),
         prefill_chunk=args.prefill_chunk,
         prompt=getattr(args, "prompt", "record"),
     )
@@ -305,6 +370,16 @@ def _needle(args: argparse.Namespace) -> int:
         video_cases,
     )
 
+    for option, (dest, kinds, default) in NEEDLE_OPTIONS.items():
+        if not hasattr(args, dest):
+            setattr(args, dest, default)
+        elif args.kind not in kinds:
+            print(
+                f"lwm eval: error: {option} is an option of --kind {' and '.join(kinds)}, "
+                f"not of --kind {args.kind}",
+                file=sys.stderr,
+            )
+            return 2
     output_folder("--out", args.out)
     what = None
     if args.kind == "multi" and args.asked > args.needles:

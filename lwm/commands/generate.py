@@ -33,7 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_source_arguments(parser)
     parser.add_argument("--prompt", required=True, help="the caption of the video to make")
     parser.add_argument("--frames", type=positive_int, default=4, help="frames (default 4)")
-    parser.add_argument("--out", required=True, help="the .mp4 (or, for one frame, .png) to write")
+    parser.add_argument(
+        "--out", required=True, metavar="FILE", help="the .mp4 (or, for one frame, .png) to write"
+    )
     parser.add_argument("--samples", type=positive_int, default=1, help="clips to make (default 1)")
     parser.add_argument(
         "--cfg-scale",

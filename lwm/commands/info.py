@@ -3,17 +3,21 @@ kernel the config runs on them), the resolved config, parameter counts, FLOPs pe
 per-device bytes of parameters and optimizer state (AdamW's, or Muon's with
 `train.optimizer=muon`) on the config's mesh.
 
-  lwm info configs/7b.yaml
-  lwm info configs/7b_1m.yaml mesh.shape=1,-1,32,1 --devices 256
+  lwm info --config configs/7b.yaml
+  lwm info --config configs/7b_1m.yaml --mesh 1,-1,32,1 --devices 256
+
+(`lwm info CONFIG`, the config as a positional argument, still works for one release, with a
+deprecation notice.)
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from lwm.base.mesh import MESH_AXES, make_mesh, mesh_axis_sizes, parse_mesh_shape
-from lwm.commands import add_cpu_devices, positive_int
+from lwm.commands import add_config_arguments, config_overrides, deprecated, positive_int
 from lwm.config import Config, config_to_yaml, load_config
 from lwm.info import flops_per_token, memory_per_device, param_counts
 
@@ -24,24 +28,38 @@ GIB = 1024**3
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", help="YAML config file, e.g. configs/7b.yaml")
-    parser.add_argument(
-        "overrides",
-        nargs="*",
-        metavar="KEY=VALUE",
-        help="config overrides, e.g. model.num_layers=4 mesh.shape=1,-1,4,1",
-    )
+    # --cpu-devices: describe the config on N simulated CPU devices, as the verbs run
+    add_config_arguments(parser, "configs/7b.yaml", required=True)
     parser.add_argument(
         "--devices",
         type=positive_int,
         metavar="N",
         help="plan for a mesh of N devices without having them (default: the devices JAX sees)",
     )
-    add_cpu_devices(parser)  # describe the config on N simulated CPU devices, as the verbs run
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
+    """The verb's arguments; without --config, the first positional argument that is not a
+    KEY=VALUE override is the config (the old spelling, with a deprecation notice)."""
+    argv = list(argv)
+    if not any(a == "--config" or a.startswith("--config=") for a in argv):
+        valued = {s for a in parser._actions if a.nargs != 0 for s in a.option_strings}
+        i = 0
+        while i < len(argv) and argv[i] != "--":
+            arg = argv[i]
+            if arg in valued:
+                i += 2
+                continue
+            if not arg.startswith("-") and "=" not in arg:
+                deprecated(parser.prog, "the config as a positional argument", f"--config {arg}")
+                argv[i : i + 1] = ["--config", arg]
+                break
+            i += 1
+    return parser.parse_intermixed_args(argv)
 
 
 def run(args: argparse.Namespace) -> int:
-    config = load_config(args.config, args.overrides)
+    config = load_config(args.config, config_overrides(args))
     if args.devices is None:
         mesh = make_mesh(config.mesh.shape)
         axis_sizes, num_devices = dict(mesh.shape), mesh.size

@@ -37,7 +37,7 @@ def _also(text: str) -> tuple[str, tuple[str, ...]]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from data.synthetic import CATEGORIES, QA_LAYOUTS, RADIUS, TRAVEL
 
-    parser.add_argument("--out", required=True, help="output folder")
+    parser.add_argument("--out", required=True, metavar="DIR", help="output folder")
     parser.add_argument(
         "--count", type=positive_int, default=100, help="number of videos (default 100)"
     )

@@ -1,42 +1,60 @@
 """Tokenize videos, images and text into an LWM token dataset (tfds, array_record).
 
-  lwm tokenize --input runs/synthetic/manifest.jsonl --output runs/tokens --vqgan runs/vqgan_tiny
-  lwm tokenize --input videos/ --output runs/tokens --vqgan CKPT --max-frames 32 --workers 4
+  lwm tokenize --input runs/synthetic/manifest.jsonl --out runs/tokens --vqgan runs/vqgan_tiny
+  lwm tokenize --input videos/ --out runs/tokens --vqgan CKPT --max-frames 32 --workers 4
+  lwm tokenize merge --out runs/tokens      (after the shards of a job: see below)
 
 INPUT is a folder (every video under it, captions from sidecar .txt files) or a JSONL manifest
 with lines {"video": PATH, "text": CAPTION}, {"video": PATH, "qa": [{"question": .., "answer":
 ..}]}, {"image": PATH, ...} or {"text": TEXT}; relative paths are relative to the manifest.
-Read OUTPUT with tfds.builder_from_directory(OUTPUT).as_data_source("train"); train on it with
-`lwm train --config CONFIG data.source=OUTPUT`.
+Read OUT with tfds.builder_from_directory(OUT).as_data_source("train"); train on it with
+`lwm train --config CONFIG data.source=OUT`.
 
 Files that fail (missing, empty, not a video, truncated, too few frames) are listed one per line
-in OUTPUT.errors.txt and skipped; --strict turns any failure into exit status 1 and leaves
-OUTPUT unwritten. Interrupted, the same command continues from OUTPUT.partial; OUTPUT appears
-only when complete.
+in OUT.errors.txt and skipped; --strict turns any failure into exit status 1 and leaves OUT
+unwritten. Interrupted, the same command continues from OUT.partial; OUT appears only when
+complete.
 
-Many hosts (OUTPUT on a file system they all see): run the same command in every process of a
+Many hosts (OUT on a file system they all see): run the same command in every process of a
 jax.distributed job (--coordinator/--num-processes/--process-id, the JAX_* environment, or a
 TPU pod's hosts): each process encodes its share of the chunks on its own devices and process 0
 publishes. Without JAX's coordinator (Slurm arrays, Kubernetes indexed jobs), run shard I of N
-with --shard I/N, then `lwm tokenize --merge OUTPUT` once all are done. A second, unrelated
-tokenize into the same OUTPUT is refused (OUTPUT.lock names the run that holds it).
+with --shard I/N, then `lwm tokenize merge --out OUT` once all are done. A second, unrelated
+tokenize into the same OUT is refused (OUT.lock names the run that holds it).
+
+Old spellings that still work for one release, with a deprecation notice: --output (now
+--out), and `lwm tokenize --merge OUT` (now `lwm tokenize merge --out OUT`).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
-from lwm.commands import add_cpu_devices, non_negative_int, positive_float, positive_int
+from lwm.commands import (
+    add_cpu_devices,
+    deprecated,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
+
+SUBCOMMANDS: dict[str, argparse.ArgumentParser] = {}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from data.chunk_encoder import default_workers
 
-    parser.add_argument("--input", help="folder of videos, or a .jsonl manifest")
-    parser.add_argument("--output", help="dataset folder to create")
-    parser.add_argument("--vqgan", help="VQGAN checkpoint (vqgan.load_tokenizer)")
+    parser.add_argument(
+        "--input", required=True, metavar="PATH", help="folder of videos, or a .jsonl manifest"
+    )
+    parser.add_argument("--out", required=True, metavar="DIR", help="dataset folder to create")
+    parser.rename("--output", "--out")
+    parser.add_argument(
+        "--vqgan", required=True, metavar="DIR", help="VQGAN folder (vqgan.load_tokenizer)"
+    )
     parser.add_argument(
         "--tokenizer",
         metavar="DIR",
@@ -95,17 +113,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--shard",
         type=_shard,
         metavar="I/N",
-        help="make shard I of N (chunks c with c %% N == I) and publish nothing; then --merge",
-    )
-    parser.add_argument(
-        "--merge",
-        metavar="OUTPUT",
-        help="publish OUTPUT from the chunks its shards made (no other option needed)",
+        help="make shard I of N (chunks c with c %% N == I) and publish nothing; then "
+        "`lwm tokenize merge --out OUT`",
     )
     parser.add_argument("--coordinator", metavar="HOST:PORT", help="jax.distributed coordinator")
     parser.add_argument("--num-processes", type=positive_int, help="processes of the job")
     parser.add_argument("--process-id", type=non_negative_int, help="this process's index")
     add_cpu_devices(parser)
+
+    merge = type(parser)(
+        prog=f"{parser.prog} merge",
+        description="Publish the dataset OUT from the chunks its shards (--shard I/N) made in "
+        "OUT.partial, once every chunk is done.",
+    )
+    merge.add_argument("--out", required=True, metavar="DIR", help="the dataset folder to publish")
+    merge.add_argument(
+        "--strict", action="store_true", help="any failed item: exit 1, write no dataset"
+    )
+    SUBCOMMANDS["merge"] = merge
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
+    """`lwm tokenize ...`, or `lwm tokenize merge ...` (`lwm tokenize --merge OUT`, its old
+    spelling, with a deprecation notice)."""
+    argv = list(argv)
+    old = [i for i, a in enumerate(argv) if a == "--merge" or a.startswith("--merge=")]
+    if argv[:1] == ["merge"]:
+        argv = argv[1:]
+    elif old:
+        deprecated(parser.prog, "--merge OUT", "lwm tokenize merge --out OUT")
+        for i in old:
+            argv[i] = "--out" + argv[i][len("--merge") :]
+    else:
+        args = parser.parse_intermixed_args(argv)
+        args.subcommand = None
+        return args
+    args = SUBCOMMANDS["merge"].parse_intermixed_args(argv)
+    args.subcommand = "merge"
+    return args
 
 
 def _shard(text: str) -> tuple[int, int]:
@@ -126,16 +171,6 @@ def run(args: argparse.Namespace) -> int:
     from data.manifest import ManifestError
     from data.tokenize_dataset import NothingTokenizedError, TokenizeError
 
-    if args.merge:
-        given = [f"--{k}" for k in ("input", "output", "vqgan", "shard") if getattr(args, k)]
-        if given:
-            _log(f"error: --merge takes no {', '.join(given)} (the job is in OUTPUT.partial)")
-            return 2
-    else:
-        missing = [f"--{k}" for k in ("input", "output", "vqgan") if not getattr(args, k)]
-        if missing:
-            _log(f"error: the following arguments are required: {', '.join(missing)}")
-            return 2
     try:
         return _run(args)
     except (TokenizeError, ManifestError) as e:
@@ -153,10 +188,10 @@ def _run(args: argparse.Namespace) -> int:
     from lwm.base.lock import output_lock
     from lwm.base.mesh import make_mesh
 
-    output = args.merge or args.output
+    output = args.out
     lock = Path(output).with_name(Path(output).name + ".lock")
     warn = lambda msg: _log(f"warning: {msg}")  # noqa: E731
-    if args.merge:
+    if args.subcommand == "merge":
         with output_lock(lock, what=f"'{output}'", warn=warn):
             summary = merge_dataset(output, strict=args.strict, log=_log)
         for line in summary.lines():
@@ -174,7 +209,7 @@ def _run(args: argparse.Namespace) -> int:
     member = jax.process_index() if distributed else (args.shard[0] if args.shard else 0)
     opts = TokenizeOptions(
         input=args.input,
-        output=args.output,
+        output=args.out,
         vqgan=args.vqgan,
         tokenizer=args.tokenizer,
         fps=args.fps,
@@ -196,7 +231,7 @@ def _run(args: argparse.Namespace) -> int:
             summary = tokenize_dataset(opts, log=_log, mesh=mesh, distributed=distributed)
     except KeyboardInterrupt:
         _log(
-            f"interrupted; the finished chunks are in {args.output}.partial, "
+            f"interrupted; the finished chunks are in {args.out}.partial, "
             "rerun the same command to continue"
         )
         return 130

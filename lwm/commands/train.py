@@ -1,15 +1,14 @@
 """Train the model: sharded over the config's mesh, with orbax checkpoints and exact resume.
 
-  lwm train --config configs/tiny.yaml train.steps=200 mesh.shape=1,2,2,2 --cpu-devices 8
-  lwm train --config configs/7b_128k.yaml train.init_from=run:runs/7b_32k \\
-      train.output_dir=runs/7b_128k
+  lwm train --config configs/tiny.yaml train.steps=200 --mesh 1,2,2,2 --cpu-devices 8
+  lwm train --config configs/7b_128k.yaml train.init_from=run:runs/7b_32k --out runs/7b_128k
 
-Rerun the same command to resume from the newest checkpoint in train.output_dir (default
-runs/default, whatever the config; a folder that already holds a run is resumed, and
-train.init_from then does not apply: give each stage its own train.output_dir). SIGTERM or
-Ctrl-C saves a checkpoint first (exit 143 or 130). Metrics: OUTPUT/metrics.jsonl and
-OUTPUT/tensorboard. A config that does not fit its dataset or the run in train.output_dir is
-refused before the first step (exit 2); a run that fails (a NaN loss) exits 1.
+Rerun the same command to resume from the newest checkpoint in --out (train.output_dir;
+default runs/default, whatever the config; a folder that already holds a run is resumed, and
+train.init_from then does not apply: give each stage its own --out). SIGTERM or Ctrl-C saves
+a checkpoint first (exit 143 or 130). Metrics: OUT/metrics.jsonl and OUT/tensorboard. A
+config that does not fit its dataset or the run in --out is refused before the first step
+(exit 2); a run that fails (a NaN loss) exits 1.
 """
 
 from __future__ import annotations
@@ -20,19 +19,12 @@ import sys
 from pathlib import Path
 
 from lwm.base.config import has_checkpoint
-from lwm.commands import add_cpu_devices
+from lwm.commands import add_config_arguments, config_overrides
 from lwm.config import load_config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True, help="YAML config, e.g. configs/tiny.yaml")
-    parser.add_argument(
-        "overrides",
-        nargs="*",
-        metavar="KEY=VALUE",
-        help="config overrides, e.g. train.steps=100 mesh.shape=1,-1,4,1",
-    )
-    add_cpu_devices(parser)
+    add_config_arguments(parser, "configs/tiny.yaml", out=True, required=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -44,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     from lwm.base.signals import exit_status
     from lwm.train import TrainingError, train
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, config_overrides(args))
     out = cfg.train.output_dir
     if Path(out).exists() and not Path(out).is_dir():
         raise FileExistsError(f"train.output_dir '{out}' is a file, not a folder")

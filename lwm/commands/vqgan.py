@@ -1,14 +1,14 @@
 """The VQGAN video tokenizer: train it, tokenize a video, look at codes, import LWM's weights.
 
-  lwm vqgan train --config configs/vqgan/small.yaml [KEY=VALUE ...]
-  lwm vqgan encode VIDEO --checkpoint runs/vqgan_small [--out codes.npy] [--max-frames N]
-  lwm vqgan decode codes.npy --checkpoint runs/vqgan_small --out video.mp4   (or .png)
+  lwm vqgan train --config configs/vqgan/small.yaml [--out DIR] [--mesh MESH] [KEY=VALUE ...]
+  lwm vqgan encode VIDEO --vqgan runs/vqgan_small [--out codes.npy] [--max-frames N]
+  lwm vqgan decode codes.npy --vqgan runs/vqgan_small --out video.mp4   (or .png)
   lwm vqgan import vqgan.pkl --out weights/lwm_vqgan --allow-legacy-pickle
 
-`--checkpoint` is anything `vqgan.load_tokenizer` accepts: a training output folder or a
-folder with config.yaml and model.safetensors (what `import` writes). `train` stopped by
-Ctrl-C or SIGTERM saves a checkpoint of the step it finished and exits 130 or 143; the same
-command resumes it.
+`--vqgan` is anything `vqgan.load_tokenizer` accepts: a training output folder or a folder
+with config.yaml and model.safetensors (what `import` writes); `--checkpoint`, its old name,
+still works for one release, with a deprecation notice. `train` stopped by Ctrl-C or SIGTERM
+saves a checkpoint of the step it finished and exits 130 or 143; the same command resumes it.
 """
 
 from __future__ import annotations
@@ -21,13 +21,16 @@ from pathlib import Path
 import numpy as np
 
 from lwm.commands import (
+    add_config_arguments,
     add_cpu_devices,
+    config_overrides,
     output_file,
     output_folder,
+    parse_subcommand,
     positive_int,
 )
 
-_SUBPARSERS: dict[str, argparse.ArgumentParser] = {}
+SUBCOMMANDS: dict[str, argparse.ArgumentParser] = {}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,10 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="train a VQGAN (resumes from the output folder's checkpoint)",
         description="train a VQGAN (resumes from the output folder's checkpoint)",
     )
-    p.add_argument("--config", required=True, help="YAML config, e.g. configs/vqgan/small.yaml")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. train.steps=100")
-    add_cpu_devices(p)
-    _SUBPARSERS["train"] = p
+    add_config_arguments(p, "configs/vqgan/small.yaml", out=True, required=True)
+    SUBCOMMANDS["train"] = p
 
     p = sub.add_parser(
         "encode",
@@ -49,11 +50,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         description="tokenize a video (or image) into codes",
     )
     p.add_argument("video", help="video file (anything decord reads) or image")
-    p.add_argument("--checkpoint", required=True, help="VQGAN folder")
-    p.add_argument("--out", help="write the codes [1, T, h, w] to this .npy file")
-    p.add_argument("--max-frames", type=positive_int, help="sample at most N frames, evenly spaced")
+    p.add_argument("--vqgan", metavar="DIR", required=True, help="VQGAN folder")
+    p.rename("--checkpoint", "--vqgan")
+    p.add_argument("--out", metavar="FILE", help="write the codes [1, T, h, w] to this .npy file")
+    p.add_argument(
+        "--max-frames",
+        type=positive_int,
+        metavar="N",
+        help="sample at most N frames, evenly spaced",
+    )
     add_cpu_devices(p)
-    _SUBPARSERS["encode"] = p
+    SUBCOMMANDS["encode"] = p
 
     p = sub.add_parser(
         "decode",
@@ -61,11 +68,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         description="turn codes back into frames (MP4 or PNG)",
     )
     p.add_argument("codes", help=".npy of codes [B, T, h, w], [T, h, w] or [h, w]")
-    p.add_argument("--checkpoint", required=True, help="VQGAN folder")
-    p.add_argument("--out", required=True, help="x.mp4 (the first video) or x.png (all frames)")
+    p.add_argument("--vqgan", metavar="DIR", required=True, help="VQGAN folder")
+    p.rename("--checkpoint", "--vqgan")
+    p.add_argument(
+        "--out", metavar="FILE", required=True, help="x.mp4 (the first video) or x.png (all frames)"
+    )
     p.add_argument("--fps", type=positive_int, default=8, help="frame rate of the MP4 (default 8)")
     add_cpu_devices(p)
-    _SUBPARSERS["decode"] = p
+    SUBCOMMANDS["decode"] = p
 
     p = sub.add_parser(
         "import",
@@ -73,9 +83,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         description="import LWM's pickled VQGAN parameters as safetensors",
     )
     p.add_argument("pickle", help="LWM's VQGAN parameter file (a pickle)")
-    p.add_argument("--out", required=True, help="output folder (config.yaml, model.safetensors)")
+    p.add_argument(
+        "--out", metavar="DIR", required=True, help="output folder (config.yaml, model.safetensors)"
+    )
     p.add_argument(
         "--config",
+        metavar="FILE",
         default=None,
         help="VQGAN config of the weights (default: LWM's, as configs/vqgan/lwm.yaml)",
     )
@@ -84,17 +97,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="required: read the pickle with the restricted unpickler (containers and numpy only)",
     )
-    _SUBPARSERS["import"] = p
+    SUBCOMMANDS["import"] = p
 
 
 def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
-    """argparse cannot intermix options and positionals over subcommands, so the subcommand's
-    own parser parses the rest (intermixed, like every other verb)."""
-    if argv and argv[0] in _SUBPARSERS:
-        args = _SUBPARSERS[argv[0]].parse_intermixed_args(list(argv[1:]))
-        args.subcommand = argv[0]
-        return args
-    return parser.parse_args(list(argv))
+    return parse_subcommand(parser, SUBCOMMANDS, argv)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -121,7 +128,7 @@ def _train(args: argparse.Namespace) -> int:
     from vqgan.config import load_vqgan_config
     from vqgan.train import TrainingStopped, train
 
-    cfg = load_vqgan_config(args.config, args.overrides)
+    cfg = load_vqgan_config(args.config, config_overrides(args))
     mesh = make_mesh(cfg.mesh.shape)
     out = cfg.train.output_dir
     with output_lock(
@@ -149,7 +156,7 @@ def _encode(args: argparse.Namespace) -> int:
     if args.out:
         output_file("--out", args.out)
     frames = read_video(args.video, args.max_frames)
-    tok = load_tokenizer(args.checkpoint, mesh=make_mesh("1,-1,1,1"))
+    tok = load_tokenizer(args.vqgan, mesh=make_mesh("1,-1,1,1"))
     codes = tok.encode(frames[None])
     print(
         f"{args.video}: {frames.shape[0]} frames {frames.shape[1]}x{frames.shape[2]} -> codes "
@@ -183,7 +190,7 @@ def _decode(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise VideoError(f"'{path}' is not a numpy .npy file of codes: {e}") from None
     codes = codes.reshape((1,) * (4 - codes.ndim) + codes.shape) if codes.ndim < 4 else codes
-    tok = load_tokenizer(args.checkpoint, mesh=make_mesh("1,-1,1,1"))
+    tok = load_tokenizer(args.vqgan, mesh=make_mesh("1,-1,1,1"))
     try:
         frames = tok.decode(codes)
     except ValueError as e:
