@@ -6,7 +6,7 @@ single-device blockwise efficiency and long contexts.
 Prints one JSON line per measurement on stdout; progress goes to stderr. Needs the bench extra
 (``.venv/bin/pip install -e '.[dev,bench]'``) for the ``ringattention`` reference.
 
-Commands (the ones behind ``docs/benchmarks.md``; raw output in ``docs/bench_attention.jsonl``)::
+Commands (the ones behind ``docs/benchmarks.md``; raw output in ``docs/data/bench_attention.jsonl``)::
 
     # default sweep: ours / ringattention / dense, fwd and fwd_bwd, seq 4K..32K, after checking
     # ours and ringattention against dense (outputs and gradients) at seq 2048

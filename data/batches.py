@@ -46,7 +46,7 @@ WindowSpec = tuple[tuple[int, int], int]
 QA_TURNS = ("chained", "isolated", "mixed")
 # The share of records ``mixed`` chains each epoch by default: at 0.1 the longer setting's model
 # answers as well in conversation as asked alone (96%) and binds shapes; at 0.25 it learned
-# shapes by elimination (docs/qa.md, "A tenth of the records chained").
+# shapes by elimination (docs/notebook.md, "A tenth of the records chained").
 QA_CHAINED_SHARE = 0.1
 # Segment ids with turns (`turn_segment_ids`): bit 30 set, the document above TURN_BITS bits
 # of turn; plain ids (small non-negative documents, negative padding) never have it.

@@ -197,7 +197,7 @@ class VideoSpec:
           chained share of ``data.qa_turns: mixed``) it is context only, so the answers
           learned after other turns (every direction, and the turns nothing before narrows)
           are read from the video, not inferred. Measured against ``isolated`` under
-          ``mixed`` in docs/qa.md ("Answers learned only when asked alone"): it does not make
+          ``mixed`` in docs/notebook.md ("Answers learned only when asked alone"): it does not make
           conversations better;
         - ``kind``: one record per kind of question, in `CATEGORIES` order, its turns in a
           drawn order: every kind is the first turn of its record, and no answer can be read
@@ -207,7 +207,7 @@ class VideoSpec:
         zero included), ``colour`` (of the one moving shape of a kind), ``shape`` (of the
         moving object of a colour), ``direction`` (of each object, named by colour and shape),
         ``needle`` (what appeared for one frame, or "nothing"). On the demo's world and budget
-        ``video`` scores higher held-out (docs/qa.md, "Records that ask as inference asks").
+        ``video`` scores higher held-out (docs/notebook.md, "Records that ask as inference asks").
         ``categories``: only the questions of these categories (e.g. ``("shape",)`` for a
         shapes-first training stage), laid out and marked as if they were all there are."""
         if layout not in QA_LAYOUTS:

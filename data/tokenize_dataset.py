@@ -171,7 +171,7 @@ class TokenizeSummary:
             out.append(
                 f"{self.chunks_left} of {self.chunks} chunks still to do in {self.work}"
                 if self.chunks_left
-                else f"every chunk is done: publish with `lwm tokenize --merge {self.output}`"
+                else f"every chunk is done: publish with `lwm tokenize merge --out {self.output}`"
             )
         return out
 

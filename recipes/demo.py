@@ -24,7 +24,7 @@ when its output already exists, so rerunning the demo continues where it stopped
     question is asked, `--qa-turns`): first `--shapes-first-steps`
     steps on the same videos with their shape questions only (`lwm synthetic
     --also-manifest shapes.jsonl:shape` writes that manifest next to the first, `lwm tokenize`
-    encodes it), the skill it learns slowest (docs/qa.md), then `--lm-steps` on all the
+    encodes it), the skill it learns slowest (docs/notebook.md), then `--lm-steps` on all the
     questions from those weights, with the held-out questions asked after the last step (and
     every `--eval-every` steps if given);
  5. the last of those evaluations, as `lwm eval qa` prints it (the same code; the command that
@@ -65,7 +65,7 @@ def tight_rows(tokens: Path, mesh: str, row: int = 1024) -> list[str]:
     hold two (three) of them and 20-25% padding. Where every row of ``row`` holds the same
     number of records, the shortest row that holds as many of the longest record, rounded up
     to 32 x sp tokens, gets the same records in the same rows (the same losses, up to
-    rounding) in 27% (14%) less time per step on the 2-core machine (docs/qa.md, "The demo's
+    rounding) in 27% (14%) less time per step on the 2-core machine (docs/notebook.md, "The demo's
     rows"); otherwise nothing changes. Blocks of half a zigzag chunk (`block_q = block_k =
     seq_len / (4 sp)`) ran fastest at each length measured."""
     import numpy as np
@@ -136,7 +136,7 @@ def main() -> int:
         choices=("muon", "adamw"),
         default="muon",
         help="the world model's optimizer in both stages (train.optimizer; default muon: "
-        "65%% -> 73%% held-out in the demo's steps with chained turns, docs/qa.md)",
+        "65%% -> 73%% held-out in the demo's steps with chained turns, docs/notebook.md)",
     )
     p.add_argument(
         "--qa-turns",
@@ -242,7 +242,7 @@ def main() -> int:
     tokenize(train_videos, tokens)
 
     # 3b. (--shapes-first-steps) the same videos with their shape questions only, and a first
-    # stage of the world model on them: shapes are the skill it learns slowest (docs/qa.md)
+    # stage of the world model on them: shapes are the skill it learns slowest (docs/notebook.md)
     first_stage = []
     if args.shapes_first_steps > 0:
         # a second manifest in the training videos' folder; a folder of an earlier run without

@@ -18,7 +18,9 @@ def test_every_config_loads(path: Path) -> None:
     assert config.model.vision_vocab_size == 8448
     # the command that shows it, with the devices its mesh needs where that is more than one
     first = path.read_text().splitlines()[0]
-    assert re.fullmatch(rf"# lwm info configs/{path.name}( --cpu-devices \d+)?", first), first
+    assert re.fullmatch(rf"# lwm info --config configs/{path.name}( --cpu-devices \d+)?", first), (
+        first
+    )
 
 
 def test_context_stages_inherit_7b() -> None:

@@ -1,4 +1,4 @@
-"""Imports point down the layers of ../shared/DESIGN.md (and `lwm.base`'s docstring): every
+"""Imports point down the layers of docs/architecture.md (and `lwm.base`'s docstring): every
 import of every module of lwm/, vqgan/ and data/ is read from its source (function-level
 imports included) and must not reach a higher layer. The data layer uses the VQGAN's public
 API only (`import vqgan` / `from vqgan import ...`)."""

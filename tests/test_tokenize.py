@@ -604,7 +604,7 @@ def test_shards_killed_rerun_and_merged_equal_one_process(
     assert lwm(["tokenize", *args, "--out", str(out), "--shard", "1/2"]) == 0
     err = capsys.readouterr().err
     assert f"taking over the lock of '{out}' left by pid {proc.pid}" in err
-    assert f"publish with `lwm tokenize --merge {out}`" in err
+    assert f"publish with `lwm tokenize merge --out {out}`" in err
     assert lwm(["tokenize", "merge", "--out", str(out)]) == 0
     assert f"wrote {out} (12 records" in capsys.readouterr().err
     assert_same_dataset(out, one_process)
