@@ -161,3 +161,20 @@ def test_info_takes_the_cpu_devices_its_mesh_error_names() -> None:
     r = subprocess.run([*cmd, "--cpu-devices", "2"], env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("# devices: 2 x cpu") and "mesh dp=1 fsdp=1 sp=2 tp=1" in r.stdout
+
+
+def test_info_says_what_parameters_and_adamw_leave_of_a_chip() -> None:
+    """On a device that reports its memory (a TPU's or GPU's ``bytes_limit``), `lwm info`
+    adds what the float32 parameters and AdamW's two float32 moments (12 bytes a parameter on
+    one device) take of it, and what is left."""
+    from lwm.commands.info import capacity_line
+    from lwm.info import param_counts
+
+    cfg = load_config("configs/tiny.yaml", [])
+    state = param_counts(cfg.model).total * (4 + 2 * 4)
+    chip = 16 * 2**30
+    line = capacity_line(cfg, {"dp": 1, "fsdp": 1, "sp": 1, "tp": 1}, chip)
+    assert line.split() == (
+        f"device memory 16.00 GiB: parameters and optimizer state take {state / chip:.0%}, "
+        f"{(chip - state) / 2**30:.2f} GiB left for activations"
+    ).split()

@@ -68,7 +68,30 @@ def run(args: argparse.Namespace) -> int:
         axis_sizes = mesh_axis_sizes(parse_mesh_shape(config.mesh.shape, args.devices))
         num_devices = args.devices
     print(format_info(config, args.config, axis_sizes, num_devices))
+    if args.devices is None and (capacity := device_memory()) is not None:
+        print(capacity_line(config, axis_sizes, capacity))
     return 0
+
+
+def device_memory() -> int | None:
+    """Bytes of memory one device offers (a TPU's or GPU's ``bytes_limit``), or None where
+    JAX does not say (CPUs)."""
+    import jax
+
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("bytes_limit")
+
+
+def capacity_line(config: Config, axis_sizes: dict[str, int], capacity: int) -> str:
+    """What the parameters and optimizer state take of one device's memory; the rest is for
+    activations and temporaries (which `lwm train` and `tools/aot_compile.py` measure)."""
+    memory = memory_per_device(config.model, axis_sizes, config.train.optimizer)
+    state = memory.params + memory.optimizer
+    return (
+        f"  {'device memory':<28} {capacity / GIB:8.2f} GiB: parameters and optimizer state "
+        f"take {state / capacity:.0%}, {max(capacity - state, 0) / GIB:.2f} GiB left for "
+        "activations"
+    )
 
 
 def describe_devices(config: Config, mesh: Mesh | None = None) -> str:
