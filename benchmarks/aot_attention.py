@@ -7,9 +7,16 @@ for a TPU topology the Pallas kernels go through libtpu's Mosaic compiler.
     TPU_ACCELERATOR_TYPE=v5p-8 TPU_WORKER_HOSTNAMES=localhost \\
       python benchmarks/aot_attention.py --topology v5p:2x2x1 --mesh 1,1,4,1 --seq 32768 --kernel pallas
 
+    # one v5e chip: ours against JAX's splash attention, what `bench_attention.py --platform
+    # tpu` times, here only compiled (the memory of both without a TPU)
+    TPU_ACCELERATOR_TYPE=v5litepod-1 TPU_WORKER_HOSTNAMES=localhost \
+      python benchmarks/aot_attention.py --topology v5e:1x1 --mesh 1,1,1,1 --seq 131072 \
+      --block 1024 --impls ours,splash --no-segments
+
 Shapes: batch 1, ``--heads`` query and key/value heads of 128, bfloat16, one segment id per
-token (the packed-row path), causal, blocks of ``--block``, positions 0..seq-1; the loss of
-the backward is the sum of the output.
+token (the packed-row path; ``--no-segments``: positions only, as `bench_attention.py` runs one
+document), causal, blocks of ``--block``, positions 0..seq-1. ``fwd`` returns the output,
+``fwd_bwd`` the gradients of ``sum(out * cotangent)``, as `bench_attention.py` times them.
 """
 
 from __future__ import annotations
@@ -29,7 +36,17 @@ def main() -> None:
     p.add_argument(
         "--kernel", default="pallas", choices=("xla", "pallas"), help="block kernel: xla or pallas"
     )
+    p.add_argument(
+        "--impls",
+        default="ours",
+        help="comma-separated: ours (ring_attention), splash (JAX's splash attention, one "
+        "device, [batch, heads, seq, head_dim] inputs); default ours",
+    )
+    p.add_argument("--no-segments", action="store_true", help="positions only, no segment ids")
     args = p.parse_args()
+    impls = [i for i in args.impls.split(",") if i]
+    if bad := [i for i in impls if i not in ("ours", "splash")]:
+        raise ValueError(f"unknown --impls {bad[0]!r} (known: ours, splash)")
 
     import jax
     import jax.numpy as jnp
@@ -43,35 +60,54 @@ def main() -> None:
     mesh = make_mesh(args.mesh, devices=devices)
     x = NamedSharding(mesh, P(None, "sp", None, None))
     shape = (1, args.seq, args.heads, 128)
-    qkv = jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=x)
     pos = jax.ShapeDtypeStruct(
         (1, args.seq), jnp.int32, sharding=NamedSharding(mesh, P(None, "sp"))
     )
 
-    def loss(q, k, v, pos):
-        seg = jnp.zeros_like(pos)
-        out = ring_attention(
+    def ours(q, k, v, pos):
+        seg = None if args.no_segments else jnp.zeros_like(pos)
+        return ring_attention(
             q, k, v, mesh=mesh, q_positions=pos, kv_positions=pos, q_segment_ids=seg,
             kv_segment_ids=seg, block_q=args.block, block_k=args.block, kernel=args.kernel,
         )  # fmt: skip
-        return jnp.sum(out.astype(jnp.float32))
 
-    for mode, fn in (("fwd", loss), ("fwd_bwd", jax.grad(loss, argnums=(0, 1, 2)))):
-        start = time.perf_counter()
-        compiled = jax.jit(fn).lower(qkv, qkv, qkv, pos).compile()
-        mem = compiled.memory_analysis()
-        row = {
-            "bench": "aot_attention",
-            "topology": args.topology,
-            "mesh": args.mesh,
-            "seq": args.seq,
-            "kernel": args.kernel,
-            "mode": mode,
-            "compile_s": round(time.perf_counter() - start, 1),
-            "temp_mib": round(mem.temp_size_in_bytes / 2**20, 1),
-            "argument_mib": round(mem.argument_size_in_bytes / 2**20, 1),
-        }
-        print(json.dumps(row), flush=True)
+    def splash(q, k, v, pos):
+        import bench_attention  # benchmarks/, beside this script
+
+        bench_attention.DEVICES = 1
+        segments = None if args.no_segments else jnp.zeros_like(pos)
+        return bench_attention.splash_fn(mesh, args.block)(q, k, v, pos, segments)
+
+    def modes(attend):
+        def fwd_bwd(q, k, v, pos, ct):
+            return jax.grad(lambda *a: jnp.sum(attend(*a, pos) * ct), argnums=(0, 1, 2))(q, k, v)
+
+        return (("fwd", lambda q, k, v, pos, ct: attend(q, k, v, pos)), ("fwd_bwd", fwd_bwd))
+
+    for impl in impls:
+        head_major = impl == "splash"
+        if head_major and mesh.size != 1:
+            raise ValueError("the splash impl compiles for one device (--mesh 1,1,1,1)")
+        dims = (1, args.heads, args.seq, 128) if head_major else shape
+        qkv = jax.ShapeDtypeStruct(dims, jnp.bfloat16, sharding=x)
+        for mode, fn in modes(splash if head_major else ours):
+            start = time.perf_counter()
+            compiled = jax.jit(fn).lower(qkv, qkv, qkv, pos, qkv).compile()
+            mem = compiled.memory_analysis()
+            row = {
+                "bench": "aot_attention",
+                "topology": args.topology,
+                "mesh": args.mesh,
+                "seq": args.seq,
+                "impl": impl,
+                "kernel": args.kernel if impl == "ours" else None,
+                "block": args.block,
+                "mode": mode,
+                "compile_s": round(time.perf_counter() - start, 1),
+                "temp_mib": round(mem.temp_size_in_bytes / 2**20, 1),
+                "argument_mib": round(mem.argument_size_in_bytes / 2**20, 1),
+            }
+            print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

@@ -139,6 +139,25 @@ class QAEvaluator:
 # the loop
 
 
+def out_of_memory(error: BaseException, batch: int, seq_len: int) -> str | None:
+    """One line for an error of XLA's that says the step does not fit the devices' memory
+    (its ``RESOURCE_EXHAUSTED``: the sizes it names, and what to change), or None for any
+    other error."""
+    text = str(error)
+    if "RESOURCE_EXHAUSTED" not in text and "Ran out of memory" not in text:
+        return None
+    lines = [x.strip() for x in text.splitlines() if x.strip()]
+    sizes = [x for x in lines if "Ran out of memory" in x or x.startswith("Used ")]
+    what = sizes[0] if sizes else lines[0]
+    what = what.split("RESOURCE_EXHAUSTED:")[-1].strip()
+    return (
+        f"the train step of {batch} x {seq_len} tokens does not fit the devices' memory ({what}); "
+        "lower train.batch_size or train.seq_len, shard over more devices (mesh.shape), or "
+        "keep less per layer (model.remat_policy, model.mlp_chunk_size, "
+        "model.logits_chunk_size)"
+    )
+
+
 def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
     """Run (or resume) the training described by ``cfg`` on ``mesh``, which the caller builds
     once from ``cfg.mesh`` (after `init_distributed` on a multi-host job, as `lwm train` does)."""
@@ -330,7 +349,12 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
                         f"{reach} of the loader's plan for the whole batch"
                     )
             waited = time.perf_counter() - t_data
-            params, opt_state, metrics = step_for(rows, reach)(params, opt_state, batch)
+            try:
+                params, opt_state, metrics = step_for(rows, reach)(params, opt_state, batch)
+            except Exception as e:  # XLA's out-of-memory is a page of text: one line instead
+                if (message := out_of_memory(e, tc.batch_size, seq_len)) is None:
+                    raise
+                raise TrainingError(message) from None
             pending.append((step, metrics, waited, rows))
             check(step - 1)  # the previous step, so this one keeps running meanwhile
             if bar is not None:

@@ -34,7 +34,11 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         )
         + ("lwm.needle", "lwm.chat", "lwm.text_to_video"),
     ),
-    ("commands", ("lwm.commands", "lwm.cli", "lwm.__main__")),
+    # the command line, and what the scripts and the docs (lwm.config_reference) are made with
+    (
+        "commands",
+        ("lwm.commands", "lwm.cli", "lwm.__main__", "lwm.scripting", "lwm.config_reference"),
+    ),
 ]
 
 

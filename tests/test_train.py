@@ -653,3 +653,29 @@ def test_codebook_init_needs_a_dataset_with_a_vqgan_and_a_fresh_model(tmp_path):
     )
     assert r.returncode == 0
     assert "train.vision_embed_init=codebook does not apply: train.init_from" in r.stderr
+
+
+@pytest.mark.parametrize(
+    ("xla_text", "sizes"),
+    [
+        (  # the TPU compiler's refusal of a program too large for the chip
+            "RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory "
+            "space hbm. Used 21.61G of 15.75G hbm. Exceeded hbm capacity by 5.86G.\n\n"
+            "Total hbm usage >= 22.11G:\n    reserved        530.00M\n    program          21.6G",
+            "Used 21.61G of 15.75G hbm. Exceeded hbm capacity by 5.86G.",
+        ),
+        (  # an allocation at run time
+            "RESOURCE_EXHAUSTED: Error allocating device buffer: Attempting to allocate 7.10G. "
+            "That was not possible. There are 6.61G free.; (0x0x0_HBM0)",
+            "Attempting to allocate 7.10G. That was not possible. There are 6.61G free.",
+        ),
+    ],
+)
+def test_a_step_too_large_for_the_devices_is_one_line_naming_the_sizes(xla_text, sizes):
+    from lwm.train import out_of_memory
+
+    message = out_of_memory(RuntimeError(xla_text), 1, 131072)
+    assert message is not None and "\n" not in message
+    assert message.startswith("the train step of 1 x 131072 tokens does not fit")
+    assert sizes in message and "train.seq_len" in message
+    assert out_of_memory(RuntimeError("INVALID_ARGUMENT: shapes differ"), 1, 8) is None

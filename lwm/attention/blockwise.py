@@ -82,9 +82,15 @@ def _forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec: Spec, axis_name: str |
     which are all the backward pass needs."""
     qs, kv, vma = _prepare(q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec)
     own_kv = kv
+    n = axis_size(axis_name)
+    if n == 1 and spec.kernel == "pallas":
+        # One chunk: the kernel's normalised output is the answer, written in the inputs'
+        # dtype (no float32 statistics to fold, as a ring needs between its steps).
+        out, lse = pallas.flash_chunk(qs, kv, spec, dtype=q.dtype)
+        lse = jnp.where(jnp.isneginf(lse), jnp.inf, lse)  # rows with no key: finalize_stats'
+        return merge_q(out, q.shape[1]), lse, qs, own_kv
     fwd_chunk = _kernel(spec).fwd_chunk
     stats = init_stats(qs, vma)
-    n = axis_size(axis_name)
     if n > 1:
 
         def step(carry, _):
@@ -106,13 +112,16 @@ def _backward(res, dout, spec: Spec, axis_name: str | None):
     # delta_i = sum_d dout_id * out_id, per query row, blocked like the queries.
     rows = jnp.sum(dout.astype(F32) * out.astype(F32), axis=-1, keepdims=True)
     delta = blocks_q(rows, kvh, spec.block_q)[..., 0]
+    n = axis_size(axis_name)
+    if n == 1 and spec.kernel == "pallas":  # one chunk: gradients straight in the inputs' dtypes
+        dq, dk, dv = pallas.bwd_chunk(qs, do, lse, delta, kv, None, spec)
+        return merge_q(dq, out.shape[1]), merge_kv(dk, spec.kv_len), merge_kv(dv, spec.kv_len)
     bwd_chunk = _kernel(spec).bwd_chunk
     grads = (
         full(qs.q.shape, 0.0, F32, vma),
         full(kv.k.shape, 0.0, F32, vma),
         full(kv.k.shape, 0.0, F32, vma),
     )
-    n = axis_size(axis_name)
     if n > 1:
 
         def step(carry, _):

@@ -139,7 +139,7 @@ def _fwd_kernel(
     def _():
         lsum = l_sc[...]
         empty = lsum == 0.0
-        o_ref[...] = acc_sc[...] / _lanes(jnp.where(empty, 1.0, lsum), d)
+        o_ref[...] = (acc_sc[...] / _lanes(jnp.where(empty, 1.0, lsum), d)).astype(o_ref.dtype)
         lse = m_sc[...] + jnp.log(jnp.where(empty, 1.0, lsum))
         # [block_q, 128] lanes -> the [1, block_q] row the output keeps (an aligned transpose)
         lse_ref[...] = jnp.transpose(jnp.where(empty, -jnp.inf, lse))[:1, :]
@@ -188,10 +188,11 @@ def _grid_specs(qs, kv, inner_q: bool):
     return q_spec, q_row, kv_spec, tokens, token_specs
 
 
-def _out(shape: tuple[int, ...], like: jax.Array) -> jax.ShapeDtypeStruct:
-    """A float32 kernel output that varies over the same mesh axes as ``like`` (shard_map)."""
+def _out(shape: tuple[int, ...], like: jax.Array, dtype=F32) -> jax.ShapeDtypeStruct:
+    """A kernel output (float32 unless ``dtype``) that varies over the same mesh axes as
+    ``like`` (shard_map)."""
     mat = getattr(jax.typeof(like), "manual_axis_type", None)
-    return jax.ShapeDtypeStruct(shape, F32, manual_axis_type=mat)
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)
 
 
 def _params(interpret: bool, semantics: tuple[str, ...], qs, kv, matmuls: int, arrays):
@@ -213,9 +214,10 @@ def _params(interpret: bool, semantics: tuple[str, ...], qs, kv, matmuls: int, a
     )
 
 
-def flash_chunk(qs, kv, spec) -> tuple[jax.Array, jax.Array]:
-    """This chunk's normalised attention output ``[nq, b, kvh, g, bq, d]`` (float32) and
-    log-sum-exp ``[nq, b, kvh, g, bq]`` (``-inf`` for rows that see no key of the chunk)."""
+def flash_chunk(qs, kv, spec, dtype=F32) -> tuple[jax.Array, jax.Array]:
+    """This chunk's normalised attention output ``[nq, b, kvh, g, bq, d]`` (float32, or
+    ``dtype``: with one chunk, the final output in the inputs' dtype) and log-sum-exp
+    ``[nq, b, kvh, g, bq]`` (``-inf`` for rows that see no key of the chunk)."""
     nq, b, kvh, g, bq, d = qs.q.shape
     nk = kv.k.shape[0]
     kinds = kind_table(qs.pos, qs.seg, kv.pos, kv.seg, spec.causal)
@@ -234,7 +236,7 @@ def flash_chunk(qs, kv, spec) -> tuple[jax.Array, jax.Array]:
                 pltpu.VMEM((bq, d), F32),
             ],
         ),
-        out_shape=[_out(qs.q.shape, qs.q), _out((*qs.q.shape[:-2], 1, bq), qs.q)],
+        out_shape=[_out(qs.q.shape, qs.q, dtype), _out((*qs.q.shape[:-2], 1, bq), qs.q)],
         **_params(
             spec.interpret, ("parallel",) * 4 + ("arbitrary",), qs, kv, 2, (qs.q, kv.k, kv.v, qs.q)
         ),
@@ -312,7 +314,7 @@ def _dq_kernel(
 
     @pl.when(ki == nk - 1)
     def _():
-        dq_ref[...] = dq_sc[...]
+        dq_ref[...] = dq_sc[...].astype(dq_ref.dtype)
 
 
 def _dkv_kernel(
@@ -355,13 +357,17 @@ def _dkv_kernel(
 
     @pl.when(last)
     def _():
-        dk_ref[...] = dk_sc[...]
-        dv_ref[...] = dv_sc[...]
+        dk_ref[...] = dk_sc[...].astype(dk_ref.dtype)
+        dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
 
 
 def bwd_chunk(qs, do, lse, delta, kv, grads, spec):
     """`lwm.attention.blocks.bwd_chunk` with the Pallas kernels: this chunk's gradient
-    contributions added to ``grads`` = (dQ, dK, dV), float32, blocked."""
+    contributions added to ``grads`` = (dQ, dK, dV), float32, blocked. ``grads=None`` (one
+    chunk: nothing to add to) returns the kernels' gradients in the inputs' dtypes, so that no
+    float32 copy of the queries, keys and values is ever made."""
+    final = grads is None
+    dq_dtype, kv_dtype = (qs.q.dtype, kv.k.dtype) if final else (F32, F32)
     nq, b, kvh, g, bq, d = qs.q.shape
     nk, bk = kv.k.shape[0], kv.k.shape[-2]
     kinds = kind_table(qs.pos, qs.seg, kv.pos, kv.seg, spec.causal)
@@ -379,7 +385,7 @@ def bwd_chunk(qs, do, lse, delta, kv, grads, spec):
             out_specs=q_spec,
             scratch_shapes=[pltpu.VMEM((bq, d), F32)],
         ),
-        out_shape=_out(qs.q.shape, qs.q),
+        out_shape=_out(qs.q.shape, qs.q, dq_dtype),
         **_params(
             spec.interpret,
             ("parallel",) * 4 + ("arbitrary",),
@@ -402,7 +408,7 @@ def bwd_chunk(qs, do, lse, delta, kv, grads, spec):
             out_specs=[kv_spec, kv_spec],
             scratch_shapes=[pltpu.VMEM((bk, d), F32), pltpu.VMEM((bk, d), F32)],
         ),
-        out_shape=[_out(kv.k.shape, kv.k)] * 2,
+        out_shape=[_out(kv.k.shape, kv.k, kv_dtype)] * 2,
         **_params(
             spec.interpret,
             ("parallel",) * 3 + ("arbitrary",) * 2,
@@ -412,6 +418,8 @@ def bwd_chunk(qs, do, lse, delta, kv, grads, spec):
             (qs.q, kv.k, kv.v, do, kv.k, kv.v),
         ),
     )(kinds, fetch_q, qs.q, kv.k, kv.v, do, *stats, *tokens)
+    if final:
+        return dq_c, dk, dv
     return grads[0] + dq_c, grads[1] + dk, grads[2] + dv
 
 

@@ -126,8 +126,13 @@ def tpu_topology_devices(topology: str) -> list:
     describe it (no libtpu installed, or a name libtpu does not know)."""
     from jax.experimental import topologies
 
+    kwargs = {}
+    dims = [int(n) for n in topology.partition(":")[2].split("x") if n.isdigit()]
+    if dims and math.prod(dims) < 4:  # fewer chips than a host's default 2x2: one host of them
+        kwargs["chips_per_host_bounds"] = (*dims, 1, 1)[:3]
     try:
-        return list(topologies.get_topology_desc(platform="tpu", topology_name=topology).devices)
+        desc = topologies.get_topology_desc(platform="tpu", topology_name=topology, **kwargs)
+        return list(desc.devices)
     except RuntimeError as e:
         why = str(e).splitlines()[0] if str(e) else type(e).__name__
         if "not installed" in why:
