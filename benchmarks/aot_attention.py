@@ -40,13 +40,14 @@ def main() -> None:
         "--impls",
         default="ours",
         help="comma-separated: ours (ring_attention), splash (JAX's splash attention, one "
-        "device, [batch, heads, seq, head_dim] inputs); default ours",
+        "device, [batch, heads, seq, head_dim] inputs), splash-seq (splash from [batch, seq, "
+        "heads, head_dim] inputs, transposed in the call as MaxText does); default ours",
     )
     p.add_argument("--no-segments", action="store_true", help="positions only, no segment ids")
     args = p.parse_args()
     impls = [i for i in args.impls.split(",") if i]
-    if bad := [i for i in impls if i not in ("ours", "splash")]:
-        raise ValueError(f"unknown --impls {bad[0]!r} (known: ours, splash)")
+    if bad := [i for i in impls if i not in ("ours", "splash", "splash-seq")]:
+        raise ValueError(f"unknown --impls {bad[0]!r} (known: ours, splash, splash-seq)")
 
     import jax
     import jax.numpy as jnp
@@ -71,12 +72,15 @@ def main() -> None:
             kv_segment_ids=seg, block_q=args.block, block_k=args.block, kernel=args.kernel,
         )  # fmt: skip
 
-    def splash(q, k, v, pos):
-        import bench_attention  # benchmarks/, beside this script
+    def reference(name):
+        def attend(q, k, v, pos):
+            import bench_attention  # benchmarks/, beside this script
 
-        bench_attention.DEVICES = 1
-        segments = None if args.no_segments else jnp.zeros_like(pos)
-        return bench_attention.splash_fn(mesh, args.block)(q, k, v, pos, segments)
+            bench_attention.DEVICES = 1
+            segments = None if args.no_segments else jnp.zeros_like(pos)
+            return bench_attention.IMPL_FNS[name](mesh, args.block)(q, k, v, pos, segments)
+
+        return attend
 
     def modes(attend):
         def fwd_bwd(q, k, v, pos, ct):
@@ -86,11 +90,11 @@ def main() -> None:
 
     for impl in impls:
         head_major = impl == "splash"
-        if head_major and mesh.size != 1:
+        if impl != "ours" and mesh.size != 1:
             raise ValueError("the splash impl compiles for one device (--mesh 1,1,1,1)")
         dims = (1, args.heads, args.seq, 128) if head_major else shape
         qkv = jax.ShapeDtypeStruct(dims, jnp.bfloat16, sharding=x)
-        for mode, fn in modes(splash if head_major else ours):
+        for mode, fn in modes(ours if impl == "ours" else reference(impl)):
             start = time.perf_counter()
             compiled = jax.jit(fn).lower(qkv, qkv, qkv, pos, qkv).compile()
             mem = compiled.memory_analysis()

@@ -93,14 +93,16 @@ BWD_FLOP_FACTOR = 3.5  # fwd (1) + bwd (2.5)
 # the same without positions (one document in zigzag order: every kind known when tracing);
 # cudnn: jax.nn.dot_product_attention(implementation="cudnn") on the whole sequence (one device)
 # ours-blockwise: `blockwise_attention` (no ring); splash, flash: JAX's TPU kernels
-# (jax.experimental.pallas.ops.tpu), called with their own [batch, heads, seq, head_dim] layout
+# (jax.experimental.pallas.ops.tpu), called with their own [batch, heads, seq, head_dim] layout;
+# splash-seq: splash called from [batch, seq, heads, head_dim] activations, transposed in the
+# call as MaxText does (ours takes that layout)
 IMPLS = (
-    "ours", "ours-blockwise", "ours-cudnn", "ours-cudnn-doc", "cudnn", "splash", "flash",
-    "ringattention", "dense",
+    "ours", "ours-blockwise", "ours-cudnn", "ours-cudnn-doc", "cudnn", "splash", "splash-seq",
+    "flash", "ringattention", "dense",
 )  # fmt: skip
 CPU_IMPLS = ("ours", "ringattention", "dense")  # the default impls per platform
 GPU_IMPLS = ("ours", "ours-cudnn", "ours-cudnn-doc", "cudnn", "ringattention")
-TPU_IMPLS = ("ours", "ours-blockwise", "splash", "flash")
+TPU_IMPLS = ("ours", "ours-blockwise", "splash", "splash-seq", "flash")
 HEAD_MAJOR = ("splash", "flash")  # impls that take [batch, heads, seq, head_dim]
 KV_HEADS = None  # --kv-heads (None: as many as the query heads)
 DOC_LEN = None  # --doc-len: packed rows of documents this long (segment ids, positions restart)
@@ -275,6 +277,18 @@ def splash_fn(mesh: Mesh, block: int) -> AttnFn:
     return f
 
 
+def splash_seq_fn(mesh: Mesh, block: int) -> AttnFn:
+    """`splash_fn` called from ``[batch, seq, heads, head_dim]`` arrays, as a model whose
+    activations are laid out so (ours, MaxText's) calls it: transposed in, and out."""
+    splash = splash_fn(mesh, block)
+
+    def f(q, k, v, positions, segments=None):
+        q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
+        return jnp.swapaxes(splash(q, k, v, positions, segments), 1, 2)
+
+    return f
+
+
 def flash_fn(mesh: Mesh, block: int) -> AttnFn:
     """JAX's Pallas TPU flash attention (`jax.experimental.pallas.ops.tpu.flash_attention`),
     causal by index, one block size for every tile; ``[batch, heads, seq, head_dim]``. It has
@@ -384,6 +398,7 @@ IMPL_FNS: dict[str, Callable[[Mesh, int], AttnFn]] = {
     "ours-blockwise": blockwise_fn,
     "cudnn": cudnn_fn,
     "splash": splash_fn,
+    "splash-seq": splash_seq_fn,
     "flash": flash_fn,
     "ringattention": reference_fn,
     "dense": dense_fn,
@@ -472,7 +487,7 @@ def block_used(impl: str, seq: int, block: int) -> int | None:
     sequence, the reference package takes it as given, cuDNN and dense have none."""
     if impl.startswith("ours"):
         return ring_block_size(seq // DEVICES, block) if DEVICES > 1 else min(block, seq)
-    if impl in HEAD_MAJOR:
+    if impl in (*HEAD_MAJOR, "splash-seq"):
         return min(block, seq)
     return block if impl == "ringattention" else None
 
@@ -616,6 +631,7 @@ def run_cases(
 RATIOS = (
     ("ours", "splash"),
     ("ours-blockwise", "splash"),
+    ("ours", "splash-seq"),
     ("ours", "flash"),
     ("ours", "ringattention"),
     ("ours-cudnn", "cudnn"),
@@ -995,7 +1011,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if PLATFORM != "gpu" and "cudnn" in args.impls:
         # ours-cudnn and ours-cudnn-doc run there with cuDNN's dense stand-in (lwm.attention.cudnn)
         raise SystemExit("bench_attention: the cudnn impl needs --platform gpu")
-    if PLATFORM != "tpu" and {"splash", "flash"} & set(args.impls):
+    if PLATFORM != "tpu" and {"splash", "splash-seq", "flash"} & set(args.impls):
         raise SystemExit("bench_attention: the splash and flash impls need --platform tpu")
     accelerator = PLATFORM != "cpu"
     DEVICES = jax.device_count() if accelerator else args.cpu_devices

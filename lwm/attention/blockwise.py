@@ -78,8 +78,8 @@ def _prepare(q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec: Spec):
 
 
 def _forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec: Spec, axis_name: str | None):
-    """Output (input dtype), log-sum-exp, and the blocked queries and own key/value chunk,
-    which are all the backward pass needs."""
+    """Output (input dtype), log-sum-exp, the blocked queries and own key/value chunk, and the
+    output blocked like the queries: all the backward pass needs."""
     qs, kv, vma = _prepare(q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec)
     own_kv = kv
     n = axis_size(axis_name)
@@ -88,7 +88,7 @@ def _forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec: Spec, axis_name: str |
         # dtype (no float32 statistics to fold, as a ring needs between its steps).
         out, lse = pallas.flash_chunk(qs, kv, spec, dtype=q.dtype)
         lse = jnp.where(jnp.isneginf(lse), jnp.inf, lse)  # rows with no key: finalize_stats'
-        return merge_q(out, q.shape[1]), lse, qs, own_kv
+        return merge_q(out, q.shape[1]), lse, qs, own_kv, out
     fwd_chunk = _kernel(spec).fwd_chunk
     stats = init_stats(qs, vma)
     if n > 1:
@@ -101,21 +101,24 @@ def _forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec: Spec, axis_name: str |
         (kv, stats), _ = lax.scan(step, (kv, stats), None, length=n - 1)
     stats = fwd_chunk(qs, kv, stats, spec)  # the last chunk: nothing left to send
     out, lse = finalize_stats(stats)
-    return merge_q(out, q.shape[1]).astype(q.dtype), lse, qs, own_kv
+    out = out.astype(q.dtype)
+    return merge_q(out, q.shape[1]), lse, qs, own_kv, out
 
 
 def _backward(res, dout, spec: Spec, axis_name: str | None):
-    qs, kv, out, lse = res
+    qs, kv, out, lse = res  # out: blocked like the queries, in their dtype
     vma = union_vma(jax.tree.leaves(res))
     kvh = kv.k.shape[2]
+    length = dout.shape[1]
     do = blocks_q(dout, kvh, spec.block_q)
-    # delta_i = sum_d dout_id * out_id, per query row, blocked like the queries.
-    rows = jnp.sum(dout.astype(F32) * out.astype(F32), axis=-1, keepdims=True)
-    delta = blocks_q(rows, kvh, spec.block_q)[..., 0]
+    # delta_i = sum_d dout_id * out_id, per query row, from both blocked alike: from the merged
+    # output XLA made float32 copies of it in the merged layout (1 GiB at 32K tokens of 32 heads
+    # on a TPU); padded rows give 0 (their dout is zero).
+    delta = jnp.sum(do.astype(F32) * out.astype(F32), axis=-1)
     n = axis_size(axis_name)
     if n == 1 and spec.kernel == "pallas":  # one chunk: gradients straight in the inputs' dtypes
         dq, dk, dv = pallas.bwd_chunk(qs, do, lse, delta, kv, None, spec)
-        return merge_q(dq, out.shape[1]), merge_kv(dk, spec.kv_len), merge_kv(dv, spec.kv_len)
+        return merge_q(dq, length), merge_kv(dk, spec.kv_len), merge_kv(dv, spec.kv_len)
     bwd_chunk = _kernel(spec).bwd_chunk
     grads = (
         full(qs.q.shape, 0.0, F32, vma),
@@ -137,7 +140,7 @@ def _backward(res, dout, spec: Spec, axis_name: str | None):
     else:
         dq, dk, dv = bwd_chunk(qs, do, lse, delta, kv, grads, spec)
     return (
-        merge_q(dq, out.shape[1]).astype(out.dtype),
+        merge_q(dq, length).astype(qs.q.dtype),
         merge_kv(dk, spec.kv_len).astype(kv.k.dtype),
         merge_kv(dv, spec.kv_len).astype(kv.v.dtype),
     )
@@ -152,8 +155,8 @@ def attention_core(q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec: Spec, axis_name:
 
 
 def _core_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec, axis_name):
-    out, lse, qs, own_kv = _forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec, axis_name)
-    return out, (qs, own_kv, out, lse)
+    out, lse, qs, own_kv, blocked = _forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec, axis_name)
+    return out, (qs, own_kv, blocked, lse)
 
 
 def _core_bwd(spec, axis_name, res, dout):
