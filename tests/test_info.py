@@ -174,7 +174,10 @@ def test_info_says_what_parameters_and_adamw_leave_of_a_chip() -> None:
     state = param_counts(cfg.model).total * (4 + 2 * 4)
     chip = 16 * 2**30
     line = capacity_line(cfg, {"dp": 1, "fsdp": 1, "sp": 1, "tp": 1}, chip)
-    assert line.split() == (
-        f"device memory 16.00 GiB: parameters and optimizer state take {state / chip:.0%}, "
-        f"{(chip - state) / 2**30:.2f} GiB left for activations"
-    ).split()
+    assert (
+        line.split()
+        == (
+            f"device memory 16.00 GiB: parameters and optimizer state take {state / chip:.0%}, "
+            f"{(chip - state) / 2**30:.2f} GiB left for activations"
+        ).split()
+    )
