@@ -73,12 +73,14 @@ def main() -> None:
         )  # fmt: skip
 
     def reference(name):
-        def attend(q, k, v, pos):
-            import bench_attention  # benchmarks/, beside this script
+        import bench_attention  # benchmarks/, beside this script
 
-            bench_attention.DEVICES = 1
+        bench_attention.DEVICES = 1
+        attention = bench_attention.IMPL_FNS[name](mesh, args.block)
+
+        def attend(q, k, v, pos):
             segments = None if args.no_segments else jnp.zeros_like(pos)
-            return bench_attention.IMPL_FNS[name](mesh, args.block)(q, k, v, pos, segments)
+            return attention(q, k, v, pos, segments)
 
         return attend
 

@@ -211,6 +211,12 @@ def make_inputs(mesh: Mesh, seq: int, seed: int = 0) -> Inputs:
 # The three implementations, as f(q, k, v, positions) -> out on global arrays
 
 
+def one_device(impl: str, how: str) -> None:
+    """Refuse an impl that runs on one device when the case has several (ValueError)."""
+    if DEVICES != 1:
+        raise ValueError(f"the {impl} impl runs on one device ({how})")
+
+
 def ours_fn(
     mesh: Mesh, block: int, kernel: str | None = None, positions_given: bool = True
 ) -> AttnFn:
@@ -233,8 +239,7 @@ def ours_fn(
 def blockwise_fn(mesh: Mesh, block: int) -> AttnFn:
     """`blockwise_attention` on the whole sequence (one device: no ring, no shard_map)."""
     del mesh
-    if DEVICES != 1:
-        raise ValueError("the ours-blockwise impl runs on one device (--cpu-devices 1 on a cpu)")
+    one_device("ours-blockwise", "--cpu-devices 1 on a cpu")
 
     def f(q, k, v, positions, segments=None):
         return blockwise_attention(
@@ -255,8 +260,7 @@ def splash_fn(mesh: Mesh, block: int) -> AttnFn:
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
-    if DEVICES != 1:
-        raise ValueError("the splash impl runs on one device (--platform tpu on one chip)")
+    one_device("splash", "--platform tpu on one chip")
 
     def f(q, k, v, positions, segments=None):
         del positions  # contiguous order (one device: the zigzag permutation is the identity)
@@ -296,8 +300,7 @@ def flash_fn(mesh: Mesh, block: int) -> AttnFn:
     del mesh
     from jax.experimental.pallas.ops.tpu import flash_attention as fa
 
-    if DEVICES != 1:
-        raise ValueError("the flash impl runs on one device (--platform tpu on one chip)")
+    one_device("flash", "--platform tpu on one chip")
 
     def f(q, k, v, positions, segments=None):
         del positions
@@ -323,8 +326,7 @@ def cudnn_fn(mesh: Mesh, block: int) -> AttnFn:
     """cuDNN's fused attention on the whole (unsharded) sequence: the speed our ring's cuDNN
     blocks are measured against."""
     del block
-    if DEVICES != 1:
-        raise ValueError("the cudnn impl runs on one device (--platform gpu with one GPU)")
+    one_device("cudnn", "--platform gpu with one GPU")
 
     def f(q, k, v, positions, segments=None):
         del positions  # contiguous order (one device: the zigzag permutation is the identity)

@@ -52,7 +52,13 @@ from flax import nnx
 from data.batches import SyntheticTokenLoader
 from lwm.base.mesh import PLATFORMS, MeshError, make_mesh, use_platform
 from lwm.config import ConfigError, ModelConfig, load_config
-from lwm.info import flops_per_token, measure_peak_flops, param_counts, spec_peak_flops
+from lwm.info import (
+    flops_per_token,
+    measure_peak_flops,
+    mfu_of_spec,
+    param_counts,
+    spec_peak_flops,
+)
 from lwm.model import (
     ROW_ORDERS,
     create_model,
@@ -236,11 +242,11 @@ def bench_one(
     tokens = batch * seq
     per_token = flops_per_token(cfg, seq)
     flops = per_token.train * tokens
-    spec = spec_peak_flops(jax.devices()[0].device_kind)
-    if spec is not None:  # MaxText's convention: causal attention, the chip's specified peak
-        spec_mfu = per_token.train_causal * tokens / dt / (spec * mesh.size)
+    # MaxText's convention: causal attention, the chip's specified peak
+    spec_mfu = mfu_of_spec(per_token.train_causal * tokens, dt, mesh.devices.flat)
+    if spec_mfu is not None:
         extra["mfu_causal_of_spec"] = round(spec_mfu, 4)
-        extra["spec_peak_flops_per_device"] = spec
+        extra["spec_peak_flops_per_device"] = spec_peak_flops(mesh.devices.flat[0].device_kind)
     return {
         "bench": "train_step",
         "size": size,

@@ -156,7 +156,7 @@ def tracebacks_asked() -> bool:
 def note_failure(error: BaseException) -> None:
     """With ``LWM_TRACEBACK=1``, print ``error``'s traceback on stderr: for a measurement that
     a script records as failed (one line in its JSON) and goes on from, so that a run that
-    cannot be repeated (a lent GPU's few minutes) keeps where the failure came from."""
+    cannot be repeated (a long run on an accelerator) keeps where the failure came from."""
     if tracebacks_asked():
         import traceback
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 import jax
@@ -217,6 +217,14 @@ def spec_peak_flops(device_kind: str) -> float | None:
     """The chip's specified peak bfloat16 FLOP/s (`SPEC_PEAK_BF16`), or None for a chip not
     listed (CPUs among them)."""
     return SPEC_PEAK_BF16.get(device_kind)
+
+
+def mfu_of_spec(flops: float, seconds: float, devices: Sequence[jax.Device]) -> float | None:
+    """MFU in MaxText's convention: ``flops`` (count attention causal: `FlopsPerToken`'s
+    ``train_causal``) done in ``seconds`` over the devices' specified peak, or None for chips
+    not listed in `SPEC_PEAK_BF16`."""
+    spec = spec_peak_flops(devices[0].device_kind)
+    return None if spec is None else flops / seconds / (spec * len(devices))
 
 
 def memory_per_device(

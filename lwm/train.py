@@ -31,7 +31,7 @@ from lwm.base.mesh import MeshError, check_batch_fits
 from lwm.base.metrics import MetricsWriter
 from lwm.base.signals import StopSignals
 from lwm.config import Config, config_to_yaml
-from lwm.info import flops_per_token, measure_peak_flops, spec_peak_flops
+from lwm.info import flops_per_token, measure_peak_flops, mfu_of_spec
 from lwm.model import round_reach, row_permutation, row_schedule, sequence_layout
 from lwm.runs import (
     checkpoint_manager,
@@ -244,9 +244,6 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
     tokens_per_step = tc.batch_size * seq_len
     per_token = flops_per_token(model_cfg, seq_len)
     model_flops = per_token.train * tokens_per_step
-    # MaxText's convention beside ours: causal attention, over the chip's specified peak
-    spec = spec_peak_flops(jax.devices()[0].device_kind)
-    spec_total = spec * jax.device_count() if spec else None
     peak = (
         measure_peak_flops(jax.devices(), model_cfg.dtype)
         if tc.peak_flops == "auto"
@@ -319,10 +316,10 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
                     tokens_per_s=tokens_per_step / dt,
                     mfu=model_flops / dt / peak_total,
                 )
-                if spec_total:
-                    host["mfu_causal_of_spec"] = (
-                        per_token.train_causal * tokens_per_step / dt / spec_total
-                    )
+                # MaxText's convention beside ours: causal attention, the chips' spec peak
+                spec_mfu = mfu_of_spec(per_token.train_causal * tokens_per_step, dt, jax.devices())
+                if spec_mfu is not None:
+                    host["mfu_causal_of_spec"] = spec_mfu
                 writer.write(step, host)
 
     stopped_by = None

@@ -167,13 +167,14 @@ def test_info_says_what_parameters_and_adamw_leave_of_a_chip() -> None:
     """On a device that reports its memory (a TPU's or GPU's ``bytes_limit``), `lwm info`
     adds what the float32 parameters and AdamW's two float32 moments (12 bytes a parameter on
     one device) take of it, and what is left."""
-    from lwm.commands.info import capacity_line
+    from lwm.commands.info import format_info
     from lwm.info import param_counts
 
     cfg = load_config("configs/tiny.yaml", [])
     state = param_counts(cfg.model).total * (4 + 2 * 4)
     chip = 16 * 2**30
-    line = capacity_line(cfg, {"dp": 1, "fsdp": 1, "sp": 1, "tp": 1}, chip)
+    report = format_info(cfg, "tiny", {"dp": 1, "fsdp": 1, "sp": 1, "tp": 1}, 1, chip)
+    line = report.splitlines()[-1]
     assert (
         line.split()
         == (

@@ -107,7 +107,6 @@ def _forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec: Spec, axis_name: str |
 
 def _backward(res, dout, spec: Spec, axis_name: str | None):
     qs, kv, out, lse = res  # out: blocked like the queries, in their dtype
-    vma = union_vma(jax.tree.leaves(res))
     kvh = kv.k.shape[2]
     length = dout.shape[1]
     do = blocks_q(dout, kvh, spec.block_q)
@@ -120,6 +119,7 @@ def _backward(res, dout, spec: Spec, axis_name: str | None):
         dq, dk, dv = pallas.bwd_chunk(qs, do, lse, delta, kv, None, spec)
         return merge_q(dq, length), merge_kv(dk, spec.kv_len), merge_kv(dv, spec.kv_len)
     bwd_chunk = _kernel(spec).bwd_chunk
+    vma = union_vma(jax.tree.leaves(res))
     grads = (
         full(qs.q.shape, 0.0, F32, vma),
         full(kv.k.shape, 0.0, F32, vma),

@@ -67,9 +67,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         axis_sizes = mesh_axis_sizes(parse_mesh_shape(config.mesh.shape, args.devices))
         num_devices = args.devices
-    print(format_info(config, args.config, axis_sizes, num_devices))
-    if args.devices is None and (capacity := device_memory()) is not None:
-        print(capacity_line(config, axis_sizes, capacity))
+    capacity = device_memory() if args.devices is None else None
+    print(format_info(config, args.config, axis_sizes, num_devices, capacity))
     return 0
 
 
@@ -82,11 +81,10 @@ def device_memory() -> int | None:
     return stats.get("bytes_limit")
 
 
-def capacity_line(config: Config, axis_sizes: dict[str, int], capacity: int) -> str:
-    """What the parameters and optimizer state take of one device's memory; the rest is for
-    activations and temporaries (which `lwm train` and `tools/aot_compile.py` measure)."""
-    memory = memory_per_device(config.model, axis_sizes, config.train.optimizer)
-    state = memory.params + memory.optimizer
+def capacity_line(state: int, capacity: int) -> str:
+    """What ``state`` bytes (parameters and optimizer state) take of one device's memory of
+    ``capacity`` bytes; the rest is for activations and temporaries (which `lwm train` and
+    `tools/aot_compile.py` measure)."""
     return (
         f"  {'device memory':<28} {capacity / GIB:8.2f} GiB: parameters and optimizer state "
         f"take {state / capacity:.0%}, {max(capacity - state, 0) / GIB:.2f} GiB left for "
@@ -118,8 +116,15 @@ def describe_devices(config: Config, mesh: Mesh | None = None) -> str:
     return line
 
 
-def format_info(config: Config, source: str, axis_sizes: dict[str, int], num_devices: int) -> str:
-    """The report printed by `lwm info`."""
+def format_info(
+    config: Config,
+    source: str,
+    axis_sizes: dict[str, int],
+    num_devices: int,
+    capacity: int | None = None,
+) -> str:
+    """The report printed by `lwm info`; with ``capacity`` (a device's bytes), what the
+    parameters and optimizer state take of it."""
     model = config.model
     counts = param_counts(model)
     flops = flops_per_token(model)
@@ -146,6 +151,8 @@ def format_info(config: Config, source: str, axis_sizes: dict[str, int], num_dev
         ),
         _gib_row("total", memory.params + memory.optimizer),
     ]
+    if capacity is not None:
+        rows.append(capacity_line(memory.params + memory.optimizer, capacity))
     return "\n".join(rows)
 
 
