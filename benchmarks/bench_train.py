@@ -318,7 +318,12 @@ def main() -> int:
         default="xla",
         help=f"attention block kernels, comma-separated: {', '.join(KERNELS)}",
     )
-    p.add_argument("--remat", default="nothing_saveable", help="model.remat_policy")
+    p.add_argument(
+        "--remat",
+        default="nothing_saveable",
+        help="model.remat_policy, comma-separated to time several (e.g. "
+        "nothing_saveable,dots_with_no_batch_dims_saveable)",
+    )
     p.add_argument("--cudnn-piece", type=int, help="lwm.attention.cudnn.pairs.PIECE (default 4096)")
     p.add_argument(
         "--set",
@@ -390,17 +395,18 @@ def main() -> int:
     devices = {"devices": [str(d) for d in jax.devices()], "kind": jax.devices()[0].device_kind}
     print(json.dumps({"bench": "devices", **devices}), flush=True)  # kind: which chip
     runs = [
-        (a, k, r)
+        (a, k, r, remat)
         for a in args.attention.split(",")
         for k in args.kernels.split(",")
         for r in args.rows.split(",")
+        for remat in args.remat.split(",")
     ]
     for size in args.sizes.split(","):
         peak = peaks[load_config(SIZES[size][0], args.set).model.dtype]
         for seq in (int(s) for s in args.seqs.split(",")):
             row = {}
-            for attention, kernel, rows in runs:
-                if attention == "dense" and (kernel, rows) != runs[0][1:]:
+            for attention, kernel, rows, remat in runs:
+                if attention == "dense" and (kernel, rows, remat) != runs[0][1:]:
                     continue  # dense attention has no block kernel and no schedules
                 try:
                     rec = bench_one(
@@ -414,7 +420,7 @@ def main() -> int:
                         args.dataset,
                         args.read_threads,
                         kernel,
-                        args.remat,
+                        remat,
                         args.one_document,
                         tuple(args.set),
                         args.compiler_options,
@@ -428,6 +434,7 @@ def main() -> int:
                         "attention": attention,
                         "kernel": kernel,
                         "rows": rows,
+                        "remat": remat,
                         "status": failed_status(e),
                     }
                 row.setdefault(attention, rec)
