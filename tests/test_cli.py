@@ -510,7 +510,7 @@ def script_path(name: str) -> Path:
         ("long_context", ["--clip-frames", "2"], "--clip-frames 2 is below 3"),
         pytest.param(
             "aot_compile",
-            ["configs/tiny.yaml", "--topology", "v4:2x2x1"],
+            ["--config", "configs/tiny.yaml", "--topology", "v4:2x2x1"],
             "--topology v4:2x2x1: JAX's TPU support (libtpu) is not installed",
             marks=pytest.mark.skipif(
                 importlib.util.find_spec("libtpu") is not None, reason="libtpu is installed"

@@ -3,10 +3,10 @@ have, and print the per-device memory the compiler plans. Lets you check that a 
 fits before renting the hardware.
 
     # 8 simulated CPU devices on this host (LWM-7B at 32K tokens):
-    python tools/aot_compile.py configs/7b.yaml --seq 32768 --mesh 1,1,8,1
+    python tools/aot_compile.py --config configs/7b.yaml --seq 32768 --mesh 1,1,8,1
     # a TPU topology (needs `pip install -e '.[tpu]'`, which brings libtpu):
     TPU_ACCELERATOR_TYPE=v5p-512 TPU_WORKER_HOSTNAMES=localhost \\
-      python tools/aot_compile.py configs/7b_1m.yaml --topology v5p:8x8x4 --mesh 1,8,32,1
+      python tools/aot_compile.py --config configs/7b_1m.yaml --topology v5p:8x8x4 --mesh 1,8,32,1
 
 Prints one JSON line with the compiler's per-device sizes (arguments, outputs, temporaries,
 generated code), its cost analysis (FLOPs and bytes accessed) and the parameter / optimizer
@@ -25,7 +25,9 @@ import time
 
 def _parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("config", help="a training config (YAML), e.g. configs/7b_1m.yaml")
+    p.add_argument(
+        "--config", metavar="FILE", help="a training config (YAML), e.g. configs/7b_1m.yaml"
+    )
     p.add_argument(
         "overrides",
         nargs="*",
@@ -41,7 +43,16 @@ def _parse() -> argparse.Namespace:
     p.add_argument(
         "--cpu-devices", type=int, default=8, help="simulated CPU devices (no --topology)"
     )
-    return p.parse_intermixed_args()  # KEY=VALUE overrides anywhere, as the usage shows
+    args = p.parse_intermixed_args()  # KEY=VALUE overrides anywhere, as the usage shows
+    # the config as the first positional argument: the old spelling, for one release
+    if args.config is None and args.overrides and "=" not in args.overrides[0]:
+        from lwm.commands import deprecated
+
+        args.config = args.overrides.pop(0)
+        deprecated("aot_compile", "the config as a positional argument", f"--config {args.config}")
+    if args.config is None:
+        p.error("the following arguments are required: --config")
+    return args
 
 
 def main() -> int:
