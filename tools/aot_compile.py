@@ -10,7 +10,8 @@ fits before renting the hardware.
 
 Prints one JSON line with the compiler's per-device sizes (arguments, outputs, temporaries,
 generated code), its cost analysis (FLOPs and bytes accessed) and the parameter / optimizer
-bytes per device. The optimizer is the config's ``train.optimizer`` (AdamW unless set; e.g.
+bytes per device; a step that the TPU compiler finds too large for the chips' memory is one
+line naming the sizes, and exit status 1. The optimizer is the config's ``train.optimizer`` (AdamW unless set; e.g.
 ``train.optimizer=muon``). ``model.attention_kernel=pallas`` compiles the Pallas block kernels (for a
 TPU topology: the Mosaic compiler in libtpu checks them).
 """
@@ -97,7 +98,15 @@ def main() -> int:
     step = jit_train_step(graphdef, tx, mesh, params, opt_state)
     lowered = step.lower(params, opt_state, batch)
     t1 = time.perf_counter()
-    compiled = lowered.compile()
+    try:
+        compiled = lowered.compile()
+    except Exception as e:  # the TPU compiler refuses a plan beyond the chips' memory
+        from lwm.train import out_of_memory
+
+        if (message := out_of_memory(e, args.batch, seq)) is None:
+            raise
+        print(f"aot_compile: {message}", file=sys.stderr)
+        return 1
     t2 = time.perf_counter()
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis() or {}

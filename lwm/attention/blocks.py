@@ -113,13 +113,50 @@ def blocks_q(x: jax.Array, kv_heads: int, block: int) -> jax.Array:
     return x.reshape(b, n, block, kv_heads, h // kv_heads, d).transpose(1, 0, 3, 4, 2, 5)
 
 
+def head_major_q(x: jax.Array, kv_heads: int, block: int) -> jax.Array:
+    """[b, s, h, d] -> [b, kv_heads, h/kv_heads, nq, block, d] (zero-padded): the heads' own
+    order, a transpose that XLA folds into the projection that makes ``x`` (no copy), and
+    then a free reshape. The layout of the Pallas kernel's single-chunk path."""
+    b, s, h, d = x.shape
+    n = -(-s // block)
+    x = _pad(x, 1, n * block, 0)
+    return x.transpose(0, 2, 1, 3).reshape(b, kv_heads, h // kv_heads, n, block, d)
+
+
+def merge_head_major_q(x: jax.Array, length: int) -> jax.Array:
+    """[b, kvh, g, nq, bq, d] -> [b, length, kvh*g, d]."""
+    b, kvh, g, n, bq, d = x.shape
+    return x.reshape(b, kvh * g, n * bq, d).transpose(0, 2, 1, 3)[:, :length]
+
+
+def head_major_kv(x: jax.Array, block: int) -> jax.Array:
+    """[b, s, kvh, d] -> [b, kvh, nk, block, d] (zero-padded), as `head_major_q`."""
+    b, s, kvh, d = x.shape
+    n = -(-s // block)
+    return _pad(x, 1, n * block, 0).transpose(0, 2, 1, 3).reshape(b, kvh, n, block, d)
+
+
+def merge_head_major_kv(x: jax.Array, length: int) -> jax.Array:
+    """[b, kvh, nk, bk, d] -> [b, length, kvh, d]."""
+    b, kvh, n, bk, d = x.shape
+    return x.reshape(b, kvh, n * bk, d).transpose(0, 2, 1, 3)[:, :length]
+
+
 def split_q(
-    q: jax.Array, pos: jax.Array, seg: jax.Array | None, kv_heads: int, block: int
+    q: jax.Array,
+    pos: jax.Array,
+    seg: jax.Array | None,
+    kv_heads: int,
+    block: int,
+    head_major: bool = False,
 ) -> QBlocks:
+    """The queries blocked (``head_major``: as `head_major_q`, else as `blocks_q`), with their
+    positions and segment ids ``[nq, b, bq]``."""
     n = -(-q.shape[1] // block)
     pos = _blocks_1d(_pad(pos, 1, n * block, -1), n, block)
     seg = _blocks_1d(_pad(seg, 1, n * block, PAD_Q_SEGMENT), n, block)
-    return QBlocks(blocks_q(q, kv_heads, block), pos, seg)
+    blocked = head_major_q(q, kv_heads, block) if head_major else blocks_q(q, kv_heads, block)
+    return QBlocks(blocked, pos, seg)
 
 
 def merge_q(x: jax.Array, length: int) -> jax.Array:
@@ -129,12 +166,21 @@ def merge_q(x: jax.Array, length: int) -> jax.Array:
 
 
 def split_kv(
-    k: jax.Array, v: jax.Array, pos: jax.Array, seg: jax.Array | None, block: int
+    k: jax.Array,
+    v: jax.Array,
+    pos: jax.Array,
+    seg: jax.Array | None,
+    block: int,
+    head_major: bool = False,
 ) -> KVBlocks:
+    """Keys and values blocked (``head_major``: as `head_major_kv`, else ``[nk, b, kvh, bk,
+    d]``), with their positions and segment ids ``[nk, b, bk]``."""
     b, s, kvh, d = k.shape
     n = -(-s // block)
 
     def blocks(x):
+        if head_major:
+            return head_major_kv(x, block)
         x = _pad(x, 1, n * block, 0)
         return x.reshape(b, n, block, kvh, d).transpose(1, 0, 3, 2, 4)
 

@@ -34,7 +34,10 @@ from lwm.attention.blocks import (
     blocks_q,
     effective_blocks,
     finalize_stats,
+    head_major_q,
     init_stats,
+    merge_head_major_kv,
+    merge_head_major_q,
     merge_kv,
     merge_q,
     needs_segments,
@@ -60,7 +63,15 @@ def _kernel(spec: Spec):
     return pallas if spec.kernel == "pallas" else blocks
 
 
-def _prepare(q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec: Spec):
+def _head_major(spec: Spec, n: int) -> bool:
+    """Whether the kernel takes the blocked arrays head-major (`blocks.head_major_q`): the
+    Pallas kernel on one chunk (single-device blockwise attention), whose inputs and outputs
+    are then transposes XLA folds into the projections around attention instead of copies
+    (the ring's steps keep the layout its running statistics are kept in)."""
+    return n == 1 and spec.kernel == "pallas"
+
+
+def _prepare(q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec: Spec, head_major: bool = False):
     vma = union_vma((q, k, v, q_pos, kv_pos, q_seg, kv_seg))
     # Tie the positions and segment ids to the activations. Otherwise, when attention runs in
     # a scan over layers that is differentiated, JAX hoists everything that depends only on
@@ -70,25 +81,25 @@ def _prepare(q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec: Spec):
         (q, k, v, q_pos, kv_pos, q_seg, kv_seg)
     )
     # Everything carried through scans must vary over the same mesh axes (check_vma).
-    qs = jax.tree.map(
-        lambda x: make_varying(x, vma), split_q(q, q_pos, q_seg, k.shape[2], spec.block_q)
-    )
-    kv = jax.tree.map(lambda x: make_varying(x, vma), split_kv(k, v, kv_pos, kv_seg, spec.block_k))
+    qs = split_q(q, q_pos, q_seg, k.shape[2], spec.block_q, head_major)
+    kv = split_kv(k, v, kv_pos, kv_seg, spec.block_k, head_major)
+    qs, kv = jax.tree.map(lambda x: make_varying(x, vma), (qs, kv))
     return qs, kv, vma
 
 
 def _forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec: Spec, axis_name: str | None):
     """Output (input dtype), log-sum-exp, the blocked queries and own key/value chunk, and the
     output blocked like the queries: all the backward pass needs."""
-    qs, kv, vma = _prepare(q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec)
-    own_kv = kv
     n = axis_size(axis_name)
-    if n == 1 and spec.kernel == "pallas":
+    head_major = _head_major(spec, n)
+    qs, kv, vma = _prepare(q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec, head_major)
+    own_kv = kv
+    if head_major:
         # One chunk: the kernel's normalised output is the answer, written in the inputs'
         # dtype (no float32 statistics to fold, as a ring needs between its steps).
-        out, lse = pallas.flash_chunk(qs, kv, spec, dtype=q.dtype)
+        out, lse = pallas.flash_chunk(qs, kv, spec, dtype=q.dtype, head_major=True)
         lse = jnp.where(jnp.isneginf(lse), jnp.inf, lse)  # rows with no key: finalize_stats'
-        return merge_q(out, q.shape[1]), lse, qs, own_kv, out
+        return merge_head_major_q(out, q.shape[1]), lse, qs, own_kv, out
     fwd_chunk = _kernel(spec).fwd_chunk
     stats = init_stats(qs, vma)
     if n > 1:
@@ -107,17 +118,24 @@ def _forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec: Spec, axis_name: str |
 
 def _backward(res, dout, spec: Spec, axis_name: str | None):
     qs, kv, out, lse = res  # out: blocked like the queries, in their dtype
-    kvh = kv.k.shape[2]
     length = dout.shape[1]
-    do = blocks_q(dout, kvh, spec.block_q)
+    n = axis_size(axis_name)
+    head_major = _head_major(spec, n)
+    if head_major:
+        do = head_major_q(dout, kv.k.shape[1], spec.block_q)
+    else:
+        do = blocks_q(dout, kv.k.shape[2], spec.block_q)
     # delta_i = sum_d dout_id * out_id, per query row, from both blocked alike: from the merged
     # output XLA made float32 copies of it in the merged layout (1 GiB at 32K tokens of 32 heads
     # on a TPU); padded rows give 0 (their dout is zero).
     delta = jnp.sum(do.astype(F32) * out.astype(F32), axis=-1)
-    n = axis_size(axis_name)
-    if n == 1 and spec.kernel == "pallas":  # one chunk: gradients straight in the inputs' dtypes
-        dq, dk, dv = pallas.bwd_chunk(qs, do, lse, delta, kv, None, spec)
-        return merge_q(dq, length), merge_kv(dk, spec.kv_len), merge_kv(dv, spec.kv_len)
+    if head_major:  # one chunk: gradients straight in the inputs' dtypes
+        dq, dk, dv = pallas.bwd_chunk(qs, do, lse, delta, kv, None, spec, head_major=True)
+        return (
+            merge_head_major_q(dq, length),
+            merge_head_major_kv(dk, spec.kv_len),
+            merge_head_major_kv(dv, spec.kv_len),
+        )
     bwd_chunk = _kernel(spec).bwd_chunk
     vma = union_vma(jax.tree.leaves(res))
     grads = (

@@ -7,6 +7,12 @@ for TPUs (Mosaic): every tile is ``[block, head_dim]`` in VMEM, per-row statisti
 segment ids come broadcast over the 128 lanes and key ones over 8 sublanes, as in JAX's own TPU
 flash attention. Elsewhere (tests on a CPU) the kernels run in Pallas interpret mode.
 
+- Layouts: the ring's steps take the shared blocked layout of `lwm.attention.blocks`
+  (``[nq, b, kvh, g, bq, d]``, which its running statistics share); single-device attention
+  (one chunk) takes the heads' own order (``[b, kvh, g, nq, bq, d]``, `blocks.head_major_q`), a
+  transpose of ``[b, s, h, d]`` that XLA folds into the projections around attention, so that
+  no copy of q, k, v or the output is made (the forward then plans less temporary memory than
+  JAX's splash attention fed by the same projections; `_dims`, `_grid_specs`).
 - Forward (`fwd_chunk`): a flash-attention pass of the query blocks over the chunk's key blocks,
   returning the chunk's normalised output and log-sum-exp, which are folded into the ring's
   running statistics outside the kernel, as one more "key" of weight ``exp(lse)``.
@@ -31,6 +37,7 @@ log-sum-exp as a ``[1, block_q]`` row (splash attention's).
 
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import jax
@@ -161,10 +168,21 @@ def fetch_table(kinds: jax.Array, across_rows: bool) -> jax.Array:
     return jnp.where(nxt == none, 0, nxt).astype(jnp.int32)
 
 
-def _grid_specs(qs, kv, inner_q: bool):
+def _dims(qs, kv, head_major: bool) -> tuple[int, ...]:
+    """``(nq, b, kvh, g, bq, d, nk, bk)`` of blocked queries and keys in either layout
+    (``head_major``: ``q [b, kvh, g, nq, bq, d]``, ``k [b, kvh, nk, bk, d]``; else ``q [nq, b,
+    kvh, g, bq, d]``, ``k [nk, b, kvh, bk, d]``)."""
+    nq, b = qs.pos.shape[:2]
+    kvh, g = qs.q.shape[1:3] if head_major else qs.q.shape[2:4]
+    bq, d = qs.q.shape[-2:]
+    return nq, b, kvh, g, bq, d, kv.pos.shape[0], kv.k.shape[-2]
+
+
+def _grid_specs(qs, kv, inner_q: bool, head_major: bool = False):
     """Block specs of the blocked inputs for a grid of ``(b, kvh, g, nq, nk)`` (``inner_q``:
-    ``(b, kvh, nk, g, nq)``). Index maps receive the prefetched kind and fetch tables and
-    take the block of the inner axis from the fetch table (`fetch_table`)."""
+    ``(b, kvh, nk, g, nq)``), in either layout (`_dims`). Index maps receive the prefetched
+    kind and fetch tables and take the block of the inner axis from the fetch table
+    (`fetch_table`)."""
     bq, d = qs.q.shape[-2:]
     bk = kv.k.shape[-2]
 
@@ -173,11 +191,15 @@ def _grid_specs(qs, kv, inner_q: bool):
             return lambda b, h, ki, g, qi, kinds, fetch: fn(b, h, g, fetch[b, ki, qi], ki)
         return lambda b, h, g, qi, ki, kinds, fetch: fn(b, h, g, qi, fetch[b, qi, ki])
 
-    q_spec = pl.BlockSpec(
-        (None, None, None, None, bq, d), ids(lambda b, h, g, qi, ki: (qi, b, h, g, 0, 0))
-    )
+    if head_major:
+        q_at = ids(lambda b, h, g, qi, ki: (b, h, g, qi, 0, 0))
+        kv_at = ids(lambda b, h, g, qi, ki: (b, h, ki, 0, 0))
+    else:
+        q_at = ids(lambda b, h, g, qi, ki: (qi, b, h, g, 0, 0))
+        kv_at = ids(lambda b, h, g, qi, ki: (ki, b, h, 0, 0))
+    q_spec = pl.BlockSpec((None, None, None, None, bq, d), q_at)
     q_row = pl.BlockSpec((None, None, None, None, 1, bq), q_spec.index_map)
-    kv_spec = pl.BlockSpec((None, None, None, bk, d), ids(lambda b, h, g, qi, ki: (ki, b, h, 0, 0)))
+    kv_spec = pl.BlockSpec((None, None, None, bk, d), kv_at)
     qt_spec = pl.BlockSpec((None, None, bq, LANES), ids(lambda b, h, g, qi, ki: (qi, b, 0, 0)))
     kt_spec = pl.BlockSpec((None, None, SUBLANES, bk), ids(lambda b, h, g, qi, ki: (ki, b, 0, 0)))
     tokens = [_q_lanes(qs.pos), _kv_sublanes(kv.pos)]
@@ -201,8 +223,8 @@ def _params(interpret: bool, semantics: tuple[str, ...], qs, kv, matmuls: int, a
     skipped at run time; ``matmuls`` of ``[block_q, block_k, head_dim]`` per tile)."""
     if interpret:
         return dict(interpret=True)
-    nq, b, kvh, g, bq, d = qs.q.shape
-    tiles = nq * b * kvh * g * kv.k.shape[0]
+    bq, d = qs.q.shape[-2:]
+    tiles = math.prod(qs.q.shape[:-2]) * kv.pos.shape[0]
     bk = kv.k.shape[-2]
     cost = pl.CostEstimate(
         flops=2 * matmuls * tiles * bq * bk * d,
@@ -214,14 +236,14 @@ def _params(interpret: bool, semantics: tuple[str, ...], qs, kv, matmuls: int, a
     )
 
 
-def flash_chunk(qs, kv, spec, dtype=F32) -> tuple[jax.Array, jax.Array]:
+def flash_chunk(qs, kv, spec, dtype=F32, head_major: bool = False) -> tuple[jax.Array, jax.Array]:
     """This chunk's normalised attention output ``[nq, b, kvh, g, bq, d]`` (float32, or
     ``dtype``: with one chunk, the final output in the inputs' dtype) and log-sum-exp
-    ``[nq, b, kvh, g, bq]`` (``-inf`` for rows that see no key of the chunk)."""
-    nq, b, kvh, g, bq, d = qs.q.shape
-    nk = kv.k.shape[0]
+    ``[nq, b, kvh, g, bq]`` (``-inf`` for rows that see no key of the chunk); with
+    ``head_major`` (`_dims`), ``[b, kvh, g, nq, bq, d]`` and ``[b, kvh, g, nq, bq]``."""
+    nq, b, kvh, g, bq, d, nk, _ = _dims(qs, kv, head_major)
     kinds = kind_table(qs.pos, qs.seg, kv.pos, kv.seg, spec.causal)
-    q_spec, q_row, kv_spec, tokens, token_specs = _grid_specs(qs, kv, inner_q=False)
+    q_spec, q_row, kv_spec, tokens, token_specs = _grid_specs(qs, kv, False, head_major)
     kernel = partial(_fwd_kernel, scale=spec.scale, causal=spec.causal, has_seg=qs.seg is not None)
     out, lse = pl.pallas_call(
         kernel,
@@ -361,21 +383,21 @@ def _dkv_kernel(
         dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
 
 
-def bwd_chunk(qs, do, lse, delta, kv, grads, spec):
+def bwd_chunk(qs, do, lse, delta, kv, grads, spec, head_major: bool = False):
     """`lwm.attention.blocks.bwd_chunk` with the Pallas kernels: this chunk's gradient
     contributions added to ``grads`` = (dQ, dK, dV), float32, blocked. ``grads=None`` (one
     chunk: nothing to add to) returns the kernels' gradients in the inputs' dtypes, so that no
-    float32 copy of the queries, keys and values is ever made."""
+    float32 copy of the queries, keys and values is ever made. ``head_major``: every blocked
+    array in that layout (`_dims`), the gradients too."""
     final = grads is None
     dq_dtype, kv_dtype = (qs.q.dtype, kv.k.dtype) if final else (F32, F32)
-    nq, b, kvh, g, bq, d = qs.q.shape
-    nk, bk = kv.k.shape[0], kv.k.shape[-2]
+    nq, b, kvh, g, bq, d, nk, bk = _dims(qs, kv, head_major)
     kinds = kind_table(qs.pos, qs.seg, kv.pos, kv.seg, spec.causal)
-    stats = [lse[..., None, :], delta[..., None, :]]  # [nq, b, kvh, g, 1, bq]
+    stats = [lse[..., None, :], delta[..., None, :]]  # [nq, b, kvh, g, 1, bq], or head-major
     has_seg = qs.seg is not None
     common = dict(scale=spec.scale, causal=spec.causal, has_seg=has_seg)
 
-    q_spec, q_row, kv_spec, tokens, token_specs = _grid_specs(qs, kv, inner_q=False)
+    q_spec, q_row, kv_spec, tokens, token_specs = _grid_specs(qs, kv, False, head_major)
     dq_c = pl.pallas_call(
         partial(_dq_kernel, **common),
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -396,7 +418,7 @@ def bwd_chunk(qs, do, lse, delta, kv, grads, spec):
         ),
     )(kinds, fetch_table(kinds, across_rows=True), qs.q, kv.k, kv.v, do, *stats, *tokens)
 
-    q_spec, q_row, kv_spec, tokens, token_specs = _grid_specs(qs, kv, inner_q=True)
+    q_spec, q_row, kv_spec, tokens, token_specs = _grid_specs(qs, kv, True, head_major)
     # The query heads of a key/value head come round between key blocks unless there is one.
     fetch_q = fetch_table(kinds.transpose(0, 2, 1), across_rows=g == 1)
     dk, dv = pl.pallas_call(
