@@ -44,6 +44,14 @@ def main() -> None:
         "heads, head_dim] inputs, transposed in the call as MaxText does); default ours",
     )
     p.add_argument("--no-segments", action="store_true", help="positions only, no segment ids")
+    p.add_argument(
+        "--projections",
+        action="store_true",
+        help="attention as a model runs it: q, k, v projected from activations [batch, seq, "
+        "heads x 128] and the output projected back (fwd+bwd: the gradients of the "
+        "activations and the four weights); each impl's projections write the layout it "
+        "takes, so a layout change can fold into them",
+    )
     args = p.parse_args()
     impls = [i for i in args.impls.split(",") if i]
     if bad := [i for i in impls if i not in ("ours", "splash", "splash-seq")]:
@@ -90,15 +98,44 @@ def main() -> None:
 
         return (("fwd", lambda q, k, v, pos, ct: attend(q, k, v, pos)), ("fwd_bwd", fwd_bwd))
 
+    width = args.heads * 128
+    acts = jax.ShapeDtypeStruct(
+        (1, args.seq, width), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, "sp", None))
+    )
+    replicated = NamedSharding(mesh, P())
+    w_in = jax.ShapeDtypeStruct((width, args.heads, 128), jnp.bfloat16, sharding=replicated)
+    w_out = jax.ShapeDtypeStruct((args.heads, 128, width), jnp.bfloat16, sharding=replicated)
+
+    def projected(attend, head_major):
+        """x -> q, k, v (in the layout ``attend`` takes) -> attention -> x's shape."""
+        layout = "bhsd" if head_major else "bshd"
+
+        def fn(x, wq, wk, wv, wo, pos, ct):
+            q, k, v = (jnp.einsum(f"bsD,Dhd->{layout}", x, w) for w in (wq, wk, wv))
+            return jnp.einsum(f"{layout},hdD->bsD", attend(q, k, v, pos), wo)
+
+        def fwd_bwd(x, wq, wk, wv, wo, pos, ct):
+            loss = lambda *a: jnp.sum(fn(*a, pos, ct) * ct)  # noqa: E731
+            return jax.grad(loss, argnums=(0, 1, 2, 3, 4))(x, wq, wk, wv, wo)
+
+        return (("fwd", fn), ("fwd_bwd", fwd_bwd))
+
     for impl in impls:
         head_major = impl == "splash"
         if impl != "ours" and mesh.size != 1:
             raise ValueError("the splash impl compiles for one device (--mesh 1,1,1,1)")
         dims = (1, args.heads, args.seq, 128) if head_major else shape
         qkv = jax.ShapeDtypeStruct(dims, jnp.bfloat16, sharding=x)
-        for mode, fn in modes(ours if impl == "ours" else reference(impl)):
+        attend = ours if impl == "ours" else reference(impl)
+        if args.projections:
+            cases = projected(attend, head_major)
+            inputs = (acts, w_in, w_in, w_in, w_out, pos, acts)
+        else:
+            cases = modes(attend)
+            inputs = (qkv, qkv, qkv, pos, qkv)
+        for mode, fn in cases:
             start = time.perf_counter()
-            compiled = jax.jit(fn).lower(qkv, qkv, qkv, pos, qkv).compile()
+            compiled = jax.jit(fn).lower(*inputs).compile()
             mem = compiled.memory_analysis()
             row = {
                 "bench": "aot_attention",
@@ -109,6 +146,7 @@ def main() -> None:
                 "kernel": args.kernel if impl == "ours" else None,
                 "block": args.block,
                 "mode": mode,
+                "projections": args.projections,
                 "compile_s": round(time.perf_counter() - start, 1),
                 "temp_mib": round(mem.temp_size_in_bytes / 2**20, 1),
                 "argument_mib": round(mem.argument_size_in_bytes / 2**20, 1),
