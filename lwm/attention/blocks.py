@@ -36,13 +36,13 @@ F32 = jnp.float32
 
 
 class QBlocks(NamedTuple):
-    q: jax.Array  # [nq, b, kvh, g, bq, d]
+    q: jax.Array  # [nq, b, kvh, g, bq, d]; the Pallas kernel's one chunk: [b, kvh, g, nq, bq, d]
     pos: jax.Array  # [nq, b, bq]
     seg: jax.Array | None
 
 
 class KVBlocks(NamedTuple):
-    k: jax.Array  # [nk, b, kvh, bk, d]
+    k: jax.Array  # [nk, b, kvh, bk, d]; the Pallas kernel's one chunk: [b, kvh, nk, bk, d]
     v: jax.Array
     pos: jax.Array  # [nk, b, bk]
     seg: jax.Array | None
