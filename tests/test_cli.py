@@ -531,6 +531,24 @@ def test_a_script_given_bad_input_says_so_in_one_line(script, args, message) -> 
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is not None, reason="libtpu is installed")
+def test_aot_compile_takes_the_old_positional_config_with_a_notice() -> None:
+    """`tools/aot_compile.py CONFIG` (before --config) still reads the config, saying once how
+    to spell it now; it then stops at the missing libtpu, as with --config."""
+    result = subprocess.run(
+        [sys.executable, str(script_path("aot_compile")), "configs/tiny.yaml"]
+        + ["--topology", "v4:2x2x1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 2, result.stderr
+    assert lines[0] == (
+        "aot_compile: warning: the config as a positional argument is deprecated, "
+        "use --config configs/tiny.yaml"
+    )
+    assert lines[1].startswith("aot_compile: error: --topology v4:2x2x1: JAX's TPU support")
+
+
 def test_every_script_ends_through_the_verbs_error_reporting() -> None:
     for script in all_scripts():
         text = script.read_text()
