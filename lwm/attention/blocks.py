@@ -36,13 +36,13 @@ F32 = jnp.float32
 
 
 class QBlocks(NamedTuple):
-    q: jax.Array  # [nq, b, kvh, g, bq, d]; the Pallas kernel's one chunk: [b, h, s, d]
+    q: jax.Array  # [nq, b, kvh, g, bq, d]; the Pallas kernel's one chunk: [b, kvh, g, nq, bq, d]
     pos: jax.Array  # [nq, b, bq]
     seg: jax.Array | None
 
 
 class KVBlocks(NamedTuple):
-    k: jax.Array  # [nk, b, kvh, bk, d]; the Pallas kernel's one chunk: [b, kvh, s, d]
+    k: jax.Array  # [nk, b, kvh, bk, d]; the Pallas kernel's one chunk: [b, kvh, nk, bk, d]
     v: jax.Array
     pos: jax.Array  # [nk, b, bk]
     seg: jax.Array | None
@@ -113,17 +113,33 @@ def blocks_q(x: jax.Array, kv_heads: int, block: int) -> jax.Array:
     return x.reshape(b, n, block, kv_heads, h // kv_heads, d).transpose(1, 0, 3, 4, 2, 5)
 
 
-def to_head_major(x: jax.Array, block: int) -> jax.Array:
-    """[b, s, h, d] -> [b, h, n * block, d] (zero-padded to whole blocks): the heads' own order,
-    a transpose that XLA folds into the projection that makes ``x`` (no copy). The layout of the
-    Pallas kernel's single chunk, which reads blocks of it as splash attention does."""
-    n = -(-x.shape[1] // block)
-    return _pad(x, 1, n * block, 0).transpose(0, 2, 1, 3)
+def head_major_q(x: jax.Array, kv_heads: int, block: int) -> jax.Array:
+    """[b, s, h, d] -> [b, kv_heads, h/kv_heads, nq, block, d] (zero-padded): the heads' own
+    order, a transpose that XLA folds into the projection that makes ``x`` (no copy), and
+    then a free reshape. The layout of the Pallas kernel's single-chunk path."""
+    b, s, h, d = x.shape
+    n = -(-s // block)
+    x = _pad(x, 1, n * block, 0)
+    return x.transpose(0, 2, 1, 3).reshape(b, kv_heads, h // kv_heads, n, block, d)
 
 
-def merge_head_major(x: jax.Array, length: int) -> jax.Array:
-    """[b, h, s, d] -> [b, length, h, d]."""
-    return x.transpose(0, 2, 1, 3)[:, :length]
+def merge_head_major_q(x: jax.Array, length: int) -> jax.Array:
+    """[b, kvh, g, nq, bq, d] -> [b, length, kvh*g, d]."""
+    b, kvh, g, n, bq, d = x.shape
+    return x.reshape(b, kvh * g, n * bq, d).transpose(0, 2, 1, 3)[:, :length]
+
+
+def head_major_kv(x: jax.Array, block: int) -> jax.Array:
+    """[b, s, kvh, d] -> [b, kvh, nk, block, d] (zero-padded), as `head_major_q`."""
+    b, s, kvh, d = x.shape
+    n = -(-s // block)
+    return _pad(x, 1, n * block, 0).transpose(0, 2, 1, 3).reshape(b, kvh, n, block, d)
+
+
+def merge_head_major_kv(x: jax.Array, length: int) -> jax.Array:
+    """[b, kvh, nk, bk, d] -> [b, length, kvh, d]."""
+    b, kvh, n, bk, d = x.shape
+    return x.reshape(b, kvh, n * bk, d).transpose(0, 2, 1, 3)[:, :length]
 
 
 def split_q(
@@ -134,12 +150,12 @@ def split_q(
     block: int,
     head_major: bool = False,
 ) -> QBlocks:
-    """The queries blocked (``head_major``: as `to_head_major`, else as `blocks_q`), with their
+    """The queries blocked (``head_major``: as `head_major_q`, else as `blocks_q`), with their
     positions and segment ids ``[nq, b, bq]``."""
     n = -(-q.shape[1] // block)
     pos = _blocks_1d(_pad(pos, 1, n * block, -1), n, block)
     seg = _blocks_1d(_pad(seg, 1, n * block, PAD_Q_SEGMENT), n, block)
-    blocked = to_head_major(q, block) if head_major else blocks_q(q, kv_heads, block)
+    blocked = head_major_q(q, kv_heads, block) if head_major else blocks_q(q, kv_heads, block)
     return QBlocks(blocked, pos, seg)
 
 
@@ -157,14 +173,14 @@ def split_kv(
     block: int,
     head_major: bool = False,
 ) -> KVBlocks:
-    """Keys and values blocked (``head_major``: as `to_head_major`, else ``[nk, b, kvh, bk,
+    """Keys and values blocked (``head_major``: as `head_major_kv`, else ``[nk, b, kvh, bk,
     d]``), with their positions and segment ids ``[nk, b, bk]``."""
     b, s, kvh, d = k.shape
     n = -(-s // block)
 
     def blocks(x):
         if head_major:
-            return to_head_major(x, block)
+            return head_major_kv(x, block)
         x = _pad(x, 1, n * block, 0)
         return x.reshape(b, n, block, kvh, d).transpose(1, 0, 3, 2, 4)
 

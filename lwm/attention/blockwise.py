@@ -34,14 +34,15 @@ from lwm.attention.blocks import (
     blocks_q,
     effective_blocks,
     finalize_stats,
+    head_major_q,
     init_stats,
-    merge_head_major,
+    merge_head_major_kv,
+    merge_head_major_q,
     merge_kv,
     merge_q,
     needs_segments,
     split_kv,
     split_q,
-    to_head_major,
 )
 
 # ----------------------------------------------------------------------------------------------
@@ -63,7 +64,7 @@ def _kernel(spec: Spec):
 
 
 def _head_major(spec: Spec, n: int) -> bool:
-    """Whether the kernel takes the arrays head-major (`blocks.to_head_major`): the
+    """Whether the kernel takes the blocked arrays head-major (`blocks.head_major_q`): the
     Pallas kernel on one chunk (single-device blockwise attention), whose inputs and outputs
     are then transposes XLA folds into the projections around attention instead of copies
     (the ring's steps keep the layout its running statistics are kept in)."""
@@ -98,7 +99,7 @@ def _forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec: Spec, axis_name: str |
         # dtype (no float32 statistics to fold, as a ring needs between its steps).
         out, lse = pallas.flash_chunk(qs, kv, spec, dtype=q.dtype, head_major=True)
         lse = jnp.where(jnp.isneginf(lse), jnp.inf, lse)  # rows with no key: finalize_stats'
-        return merge_head_major(out, q.shape[1]), lse, qs, own_kv, out
+        return merge_head_major_q(out, q.shape[1]), lse, qs, own_kv, out
     fwd_chunk = _kernel(spec).fwd_chunk
     stats = init_stats(qs, vma)
     if n > 1:
@@ -120,22 +121,20 @@ def _backward(res, dout, spec: Spec, axis_name: str | None):
     length = dout.shape[1]
     n = axis_size(axis_name)
     head_major = _head_major(spec, n)
-    do = (
-        to_head_major(dout, spec.block_q)
-        if head_major
-        else blocks_q(dout, kv.k.shape[2], spec.block_q)
-    )
+    if head_major:
+        do = head_major_q(dout, kv.k.shape[1], spec.block_q)
+    else:
+        do = blocks_q(dout, kv.k.shape[2], spec.block_q)
     # delta_i = sum_d dout_id * out_id, per query row, from both blocked alike: from the merged
     # output XLA made float32 copies of it in the merged layout (1 GiB at 32K tokens of 32 heads
     # on a TPU); padded rows give 0 (their dout is zero).
     delta = jnp.sum(do.astype(F32) * out.astype(F32), axis=-1)
     if head_major:  # one chunk: gradients straight in the inputs' dtypes
-        delta = delta.reshape(lse.shape)  # [b, h, nq, bq], as the forward's log-sum-exp
         dq, dk, dv = pallas.bwd_chunk(qs, do, lse, delta, kv, None, spec, head_major=True)
         return (
-            merge_head_major(dq, length),
-            merge_head_major(dk, spec.kv_len),
-            merge_head_major(dv, spec.kv_len),
+            merge_head_major_q(dq, length),
+            merge_head_major_kv(dk, spec.kv_len),
+            merge_head_major_kv(dv, spec.kv_len),
         )
     bwd_chunk = _kernel(spec).bwd_chunk
     vma = union_vma(jax.tree.leaves(res))

@@ -9,7 +9,7 @@ flash attention. Elsewhere (tests on a CPU) the kernels run in Pallas interpret 
 
 - Layouts: the ring's steps take the shared blocked layout of `lwm.attention.blocks`
   (``[nq, b, kvh, g, bq, d]``, which its running statistics share); single-device attention
-  (one chunk) takes the heads' own order (``[b, h, s, d]``, `blocks.to_head_major`), a
+  (one chunk) takes the heads' own order (``[b, kvh, g, nq, bq, d]``, `blocks.head_major_q`), a
   transpose of ``[b, s, h, d]`` that XLA folds into the projections around attention, so that
   no copy of q, k, v or the output is made (the forward then plans less temporary memory than
   JAX's splash attention fed by the same projections; `_dims`, `_grid_specs`).
@@ -37,6 +37,7 @@ log-sum-exp as a ``[1, block_q]`` row (splash attention's).
 
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import jax
@@ -169,23 +170,12 @@ def fetch_table(kinds: jax.Array, across_rows: bool) -> jax.Array:
 
 def _dims(qs, kv, head_major: bool) -> tuple[int, ...]:
     """``(nq, b, kvh, g, bq, d, nk, bk)`` of blocked queries and keys in either layout
-    (``head_major``: ``q [b, kvh * g, nq * bq, d]``, ``k [b, kvh, nk * bk, d]``; else ``q [nq,
-    b, kvh, g, bq, d]``, ``k [nk, b, kvh, bk, d]``)."""
-    nq, b, bq = qs.pos.shape
-    nk, _, bk = kv.pos.shape
-    if head_major:
-        kvh = kv.k.shape[1]
-        g = qs.q.shape[1] // kvh
-    else:
-        kvh, g = qs.q.shape[2:4]
-    return nq, b, kvh, g, bq, qs.q.shape[-1], nk, bk
-
-
-def _row_shape(qs, kv, head_major: bool) -> tuple[int, ...]:
-    """The shape of a per-row statistic (log-sum-exp, delta) as the kernels read and write it:
-    ``[nq, b, kvh, g, 1, bq]``, or ``[b, kvh * g, nq, 1, bq]`` head-major."""
-    nq, b, kvh, g, bq, *_ = _dims(qs, kv, head_major)
-    return (b, kvh * g, nq, 1, bq) if head_major else (nq, b, kvh, g, 1, bq)
+    (``head_major``: ``q [b, kvh, g, nq, bq, d]``, ``k [b, kvh, nk, bk, d]``; else ``q [nq, b,
+    kvh, g, bq, d]``, ``k [nk, b, kvh, bk, d]``)."""
+    nq, b = qs.pos.shape[:2]
+    kvh, g = qs.q.shape[1:3] if head_major else qs.q.shape[2:4]
+    bq, d = qs.q.shape[-2:]
+    return nq, b, kvh, g, bq, d, kv.pos.shape[0], kv.k.shape[-2]
 
 
 def _grid_specs(qs, kv, inner_q: bool, head_major: bool = False):
@@ -193,28 +183,23 @@ def _grid_specs(qs, kv, inner_q: bool, head_major: bool = False):
     ``(b, kvh, nk, g, nq)``), in either layout (`_dims`). Index maps receive the prefetched
     kind and fetch tables and take the block of the inner axis from the fetch table
     (`fetch_table`)."""
-    _, _, _, groups, bq, d, _, bk = _dims(qs, kv, head_major)
+    bq, d = qs.q.shape[-2:]
+    bk = kv.k.shape[-2]
 
     def ids(fn):
         if inner_q:
             return lambda b, h, ki, g, qi, kinds, fetch: fn(b, h, g, fetch[b, ki, qi], ki)
         return lambda b, h, g, qi, ki, kinds, fetch: fn(b, h, g, qi, fetch[b, qi, ki])
 
-    if head_major:  # query head h * groups + g shares key/value head h
-        q_spec = pl.BlockSpec(
-            (None, None, bq, d), ids(lambda b, h, g, qi, ki: (b, h * groups + g, qi, 0))
-        )
-        q_row = pl.BlockSpec(
-            (None, None, None, 1, bq), ids(lambda b, h, g, qi, ki: (b, h * groups + g, qi, 0, 0))
-        )
-        kv_spec = pl.BlockSpec((None, None, bk, d), ids(lambda b, h, g, qi, ki: (b, h, ki, 0)))
+    if head_major:
+        q_at = ids(lambda b, h, g, qi, ki: (b, h, g, qi, 0, 0))
+        kv_at = ids(lambda b, h, g, qi, ki: (b, h, ki, 0, 0))
     else:
         q_at = ids(lambda b, h, g, qi, ki: (qi, b, h, g, 0, 0))
-        q_spec = pl.BlockSpec((None, None, None, None, bq, d), q_at)
-        q_row = pl.BlockSpec((None, None, None, None, 1, bq), q_at)
-        kv_spec = pl.BlockSpec(
-            (None, None, None, bk, d), ids(lambda b, h, g, qi, ki: (ki, b, h, 0, 0))
-        )
+        kv_at = ids(lambda b, h, g, qi, ki: (ki, b, h, 0, 0))
+    q_spec = pl.BlockSpec((None, None, None, None, bq, d), q_at)
+    q_row = pl.BlockSpec((None, None, None, None, 1, bq), q_spec.index_map)
+    kv_spec = pl.BlockSpec((None, None, None, bk, d), kv_at)
     qt_spec = pl.BlockSpec((None, None, bq, LANES), ids(lambda b, h, g, qi, ki: (qi, b, 0, 0)))
     kt_spec = pl.BlockSpec((None, None, SUBLANES, bk), ids(lambda b, h, g, qi, ki: (ki, b, 0, 0)))
     tokens = [_q_lanes(qs.pos), _kv_sublanes(kv.pos)]
@@ -232,14 +217,15 @@ def _out(shape: tuple[int, ...], like: jax.Array, dtype=F32) -> jax.ShapeDtypeSt
     return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)
 
 
-def _params(interpret: bool, semantics: tuple[str, ...], dims, matmuls: int, arrays):
+def _params(interpret: bool, semantics: tuple[str, ...], qs, kv, matmuls: int, arrays):
     """pallas_call's keywords: interpret mode, or the TPU compiler's grid semantics and a cost
     estimate for XLA's scheduler (an upper bound: every tile counted, though dead ones are
     skipped at run time; ``matmuls`` of ``[block_q, block_k, head_dim]`` per tile)."""
     if interpret:
         return dict(interpret=True)
-    nq, b, kvh, g, bq, d, nk, bk = dims
-    tiles = nq * b * kvh * g * nk
+    bq, d = qs.q.shape[-2:]
+    tiles = math.prod(qs.q.shape[:-2]) * kv.pos.shape[0]
+    bk = kv.k.shape[-2]
     cost = pl.CostEstimate(
         flops=2 * matmuls * tiles * bq * bk * d,
         transcendentals=tiles * bq * bk,
@@ -254,9 +240,8 @@ def flash_chunk(qs, kv, spec, dtype=F32, head_major: bool = False) -> tuple[jax.
     """This chunk's normalised attention output ``[nq, b, kvh, g, bq, d]`` (float32, or
     ``dtype``: with one chunk, the final output in the inputs' dtype) and log-sum-exp
     ``[nq, b, kvh, g, bq]`` (``-inf`` for rows that see no key of the chunk); with
-    ``head_major`` (`_dims`), ``[b, h, s, d]`` and ``[b, h, nq, bq]``."""
-    dims = _dims(qs, kv, head_major)
-    nq, b, kvh, g, bq, d, nk, _ = dims
+    ``head_major`` (`_dims`), ``[b, kvh, g, nq, bq, d]`` and ``[b, kvh, g, nq, bq]``."""
+    nq, b, kvh, g, bq, d, nk, _ = _dims(qs, kv, head_major)
     kinds = kind_table(qs.pos, qs.seg, kv.pos, kv.seg, spec.causal)
     q_spec, q_row, kv_spec, tokens, token_specs = _grid_specs(qs, kv, False, head_major)
     kernel = partial(_fwd_kernel, scale=spec.scale, causal=spec.causal, has_seg=qs.seg is not None)
@@ -273,13 +258,9 @@ def flash_chunk(qs, kv, spec, dtype=F32, head_major: bool = False) -> tuple[jax.
                 pltpu.VMEM((bq, d), F32),
             ],
         ),
-        out_shape=[_out(qs.q.shape, qs.q, dtype), _out(_row_shape(qs, kv, head_major), qs.q)],
+        out_shape=[_out(qs.q.shape, qs.q, dtype), _out((*qs.q.shape[:-2], 1, bq), qs.q)],
         **_params(
-            spec.interpret,
-            ("parallel",) * 4 + ("arbitrary",),
-            dims,
-            2,
-            (qs.q, kv.k, kv.v, qs.q),
+            spec.interpret, ("parallel",) * 4 + ("arbitrary",), qs, kv, 2, (qs.q, kv.k, kv.v, qs.q)
         ),
     )(kinds, fetch_table(kinds, across_rows=True), qs.q, kv.k, kv.v, *tokens)
     return out, lse[..., 0, :]
@@ -410,10 +391,9 @@ def bwd_chunk(qs, do, lse, delta, kv, grads, spec, head_major: bool = False):
     array in that layout (`_dims`), the gradients too."""
     final = grads is None
     dq_dtype, kv_dtype = (qs.q.dtype, kv.k.dtype) if final else (F32, F32)
-    dims = _dims(qs, kv, head_major)
-    nq, b, kvh, g, bq, d, nk, bk = dims
+    nq, b, kvh, g, bq, d, nk, bk = _dims(qs, kv, head_major)
     kinds = kind_table(qs.pos, qs.seg, kv.pos, kv.seg, spec.causal)
-    stats = [lse[..., None, :], delta[..., None, :]]  # _row_shape
+    stats = [lse[..., None, :], delta[..., None, :]]  # [nq, b, kvh, g, 1, bq], or head-major
     has_seg = qs.seg is not None
     common = dict(scale=spec.scale, causal=spec.causal, has_seg=has_seg)
 
@@ -431,7 +411,8 @@ def bwd_chunk(qs, do, lse, delta, kv, grads, spec, head_major: bool = False):
         **_params(
             spec.interpret,
             ("parallel",) * 4 + ("arbitrary",),
-            dims,
+            qs,
+            kv,
             3,
             (qs.q, kv.k, kv.v, do, qs.q),
         ),
@@ -453,7 +434,8 @@ def bwd_chunk(qs, do, lse, delta, kv, grads, spec, head_major: bool = False):
         **_params(
             spec.interpret,
             ("parallel",) * 3 + ("arbitrary",) * 2,
-            dims,
+            qs,
+            kv,
             4,
             (qs.q, kv.k, kv.v, do, kv.k, kv.v),
         ),
