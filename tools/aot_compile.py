@@ -11,9 +11,9 @@ fits before renting the hardware.
 Prints one JSON line with the compiler's per-device sizes (arguments, outputs, temporaries,
 generated code), its cost analysis (FLOPs and bytes accessed) and the parameter / optimizer
 bytes per device; a step that the TPU compiler finds too large for the chips' memory is one
-line naming the sizes, and exit status 1. The optimizer is the config's ``train.optimizer`` (AdamW unless set; e.g.
-``train.optimizer=muon``). ``model.attention_kernel=pallas`` compiles the Pallas block kernels (for a
-TPU topology: the Mosaic compiler in libtpu checks them).
+line naming the sizes, and exit status 1. The optimizer is the config's ``train.optimizer``
+(AdamW unless set; e.g. ``train.optimizer=muon``). ``model.attention_kernel=pallas`` compiles
+the Pallas block kernels (for a TPU topology: the Mosaic compiler in libtpu checks them).
 """
 
 from __future__ import annotations

@@ -130,16 +130,13 @@ def merge_head_major_q(x: jax.Array, length: int) -> jax.Array:
 
 
 def head_major_kv(x: jax.Array, block: int) -> jax.Array:
-    """[b, s, kvh, d] -> [b, kvh, nk, block, d] (zero-padded), as `head_major_q`."""
-    b, s, kvh, d = x.shape
-    n = -(-s // block)
-    return _pad(x, 1, n * block, 0).transpose(0, 2, 1, 3).reshape(b, kvh, n, block, d)
+    """[b, s, kvh, d] -> [b, kvh, nk, block, d]: `head_major_q` with one head per group."""
+    return head_major_q(x, x.shape[2], block)[:, :, 0]
 
 
 def merge_head_major_kv(x: jax.Array, length: int) -> jax.Array:
-    """[b, kvh, nk, bk, d] -> [b, length, kvh, d]."""
-    b, kvh, n, bk, d = x.shape
-    return x.reshape(b, kvh, n * bk, d).transpose(0, 2, 1, 3)[:, :length]
+    """[b, kvh, nk, bk, d] -> [b, length, kvh, d]: `merge_head_major_q` of one head per group."""
+    return merge_head_major_q(x[:, :, None], length)
 
 
 def split_q(
