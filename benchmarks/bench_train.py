@@ -44,6 +44,7 @@ import statistics
 import sys
 import time
 import typing
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -126,11 +127,14 @@ def bench_one(
     settings: tuple[str, ...] = (),
     compiler_options: dict | None = None,
     rows: str = "auto",
+    block: int = 512,
+    profile: str | None = None,
 ):
     """One JSON record. ``rows``: the order of rows the step is compiled for
     (`lwm.model.ROW_ORDERS`), ``auto`` for each batch's own (`row_order`, as one process of
     `lwm train` chooses), or ``device`` for the step that checks on the device (as many
-    processes run it, for the reach of the loader's plan)."""
+    processes run it, for the reach of the loader's plan). ``block``: the attention's query and
+    key blocks; ``profile``: a folder to write a JAX profiler trace of one more step into."""
     path, overrides = SIZES[size]
     cfg = load_config(path, settings).model.model_copy(
         update={
@@ -138,8 +142,8 @@ def bench_one(
             "attention": attention,
             "attention_kernel": kernel,
             "max_seq_len": seq,
-            "block_q": 512,
-            "block_k": 512,
+            "block_q": block,
+            "block_k": block,
             "remat_policy": remat,
         }
     )
@@ -225,6 +229,10 @@ def bench_one(
             params, opt_state, m = compiled(params, opt_state, data)
             jax.block_until_ready(m)
             times.append(time.perf_counter() - t0)
+    if profile:  # one more step, traced (TensorBoard's or XProf's profile tools read it)
+        with jax.profiler.trace(profile):
+            params, opt_state, m = compiled(params, opt_state, data)
+            jax.block_until_ready(m)
     dt = statistics.median(times)
     # the rows' order each timed batch ran for (None: checked on the device; ORDER@N: in order,
     # no query looking back more than N tokens)
@@ -258,6 +266,7 @@ def bench_one(
         **({"compiler_options": compiler_options} if compiler_options else {}),
         "dtype": cfg.dtype,
         "remat": remat,
+        "block": block,
         "seq": seq,
         "batch": batch,
         "mesh": dict(mesh.shape),
@@ -273,6 +282,11 @@ def bench_one(
         "loss": float(m["loss"]),
         **extra,
     }
+
+
+def profile_dir(root: str | None, size: str, seq: int, kernel: str, remat: str, block: int):
+    """Where ``--profile`` writes one measurement's trace (None without ``--profile``)."""
+    return None if root is None else str(Path(root) / f"{size}-{seq}-{kernel}-{remat}-{block}")
 
 
 def cpu_devices_for(mesh: str) -> int:
@@ -323,6 +337,15 @@ def main() -> int:
         default="nothing_saveable",
         help="model.remat_policy, comma-separated to time several (e.g. "
         "nothing_saveable,dots_with_no_batch_dims_saveable)",
+    )
+    p.add_argument(
+        "--block", type=int, default=512, help="attention block_q = block_k (default 512)"
+    )
+    p.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="trace one more step of each measurement with JAX's profiler into DIR/<size>-<seq>-"
+        "<kernel>-<remat>-<block> (read it with TensorBoard's or XProf's profile tools)",
     )
     p.add_argument("--cudnn-piece", type=int, help="lwm.attention.cudnn.pairs.PIECE (default 4096)")
     p.add_argument(
@@ -425,6 +448,8 @@ def main() -> int:
                         tuple(args.set),
                         args.compiler_options,
                         rows,
+                        args.block,
+                        profile_dir(args.profile, size, seq, kernel, remat, args.block),
                     )
                 except Exception as e:  # e.g. out of memory for dense at long sequences
                     rec = {

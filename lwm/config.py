@@ -41,6 +41,8 @@ RematPolicy = Literal[
     "nothing_saveable",
     "dots_saveable",
     "dots_with_no_batch_dims_saveable",
+    "attention_saveable",
+    "attention_dots_saveable",
     "everything_saveable",
 ]
 

@@ -43,7 +43,9 @@ NOTES = {
     "(blockwise, sequence sharded over the mesh's sp axis)",
     "lm:model.block_q": "query block of blockwise and ring attention",
     "lm:model.block_k": "key block of blockwise and ring attention",
-    "lm:model.remat_policy": "what the backward pass keeps of each layer (jax.checkpoint policy)",
+    "lm:model.remat_policy": "what the backward pass keeps of each layer (jax.checkpoint "
+    "policy); `attention_saveable` keeps attention's output so it is not run twice (the "
+    "fastest on a TPU chip where memory allows: docs/benchmarks.md)",
     "lm:model.scan_layers": "run the layers as one lax.scan (one compiled layer)",
     "lm:model.tie_word_embeddings": "the text head shares the text embedding's weights",
     "lm:model.tie_vision_embeddings": "the vision head shares the vision embedding's weights",

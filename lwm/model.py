@@ -109,10 +109,20 @@ def row_schedule(
     return order, row_reach(segment_ids) if order == "in_order" else 0
 
 
+# What a layer's remat keeps for the backward pass (the rest is recomputed from the layer's
+# input). ``attention_saveable``: the attention kernel's output and log-sum-exp (named in
+# `lwm.attention.blockwise`), so that the recomputation skips attention, which at long
+# sequences is most of a layer's forward, for a few bytes per token and head;
+# ``attention_dots_saveable``: those and the projections' outputs.
+_ATTENTION = jax.checkpoint_policies.save_only_these_names("attention_out", "attention_lse")
 REMAT_POLICIES = {
     "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
     "dots_saveable": jax.checkpoint_policies.dots_saveable,
     "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "attention_saveable": _ATTENTION,
+    "attention_dots_saveable": jax.checkpoint_policies.save_from_both_policies(
+        _ATTENTION, jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    ),
     "everything_saveable": jax.checkpoint_policies.everything_saveable,
 }
 

@@ -228,10 +228,43 @@ def test_blockwise_remat_and_chunked_mlp_do_not_change_results():
     for overrides in (
         dict(attention="blockwise", remat_policy="nothing_saveable", mlp_chunk_size=16),
         dict(attention="blockwise", remat_policy="dots_saveable", scan_layers=True),
+        dict(attention="blockwise", remat_policy="attention_saveable", attention_kernel="pallas"),
+        dict(attention="blockwise", remat_policy="attention_dots_saveable", block_q=16),
     ):
         got = loss_and_grads(create_model(debug_cfg(**overrides)), batch)
         assert abs(float(got[0]) - float(ref[0])) <= 1e-5 * abs(float(ref[0]))
         _assert_close(got[2], ref[2], 1e-5)
+
+
+@pytest.mark.parametrize("kernel", ["xla", "pallas"])
+def test_attention_saveable_keeps_the_kernels_output_across_the_remat(kernel, capsys):
+    """What `attention_saveable` saves for the backward pass of a layer: its inputs and the
+    attention kernel's output and log-sum-exp, so that recomputing the layer needs no attention
+    (on a TPU the compiled step then calls the forward kernel once per layer, not twice:
+    tests/test_tpu.py). ``nothing_saveable`` saves the inputs only."""
+    from jax.ad_checkpoint import print_saved_residuals
+
+    from lwm.attention.blockwise import blockwise_attention
+    from lwm.model import REMAT_POLICIES
+
+    b, s, h, d = 1, 64, 2, 8
+
+    def layer(x, w):
+        q, k, v = ((x @ w[i]).reshape(b, s, h, d) for i in range(3))
+        o = blockwise_attention(q, k, v, block_q=16, block_k=16, kernel=kernel)
+        return o.reshape(b, s, h * d) @ w[3]
+
+    x, w = jnp.ones((b, s, h * d)), jnp.full((4, h * d, h * d), 0.01)
+    saved = {}
+    for policy in ("nothing_saveable", "attention_saveable", "attention_dots_saveable"):
+        print_saved_residuals(jax.checkpoint(layer, policy=REMAT_POLICIES[policy]), x, w)
+        saved[policy] = capsys.readouterr().out.splitlines()
+    assert len(saved["nothing_saveable"]) == 2, saved  # x and w
+    names = [line for line in saved["attention_saveable"] if "named" in line]
+    assert len(saved["attention_saveable"]) == 4, saved
+    assert any("'attention_out'" in n for n in names) and any("'attention_lse'" in n for n in names)
+    dots = [line for line in saved["attention_dots_saveable"] if "dot_general" in line]
+    assert len(dots) == 3 and len(saved["attention_dots_saveable"]) == 7, saved  # and q, k, v
 
 
 def test_loss_targets_respect_segments_and_loss_mask():

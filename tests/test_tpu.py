@@ -225,6 +225,34 @@ def test_model_logits_with_pallas_equal_xla():
     assert np.max(np.abs(logits["pallas"] - logits["xla"])) <= 1e-2 * scale
 
 
+def test_attention_saveable_runs_the_forward_kernel_once():
+    """With `attention_saveable` the compiled gradient of rematerialised layers (scanned, as
+    the model runs them) calls the Pallas forward kernel once per layer, then the two backward
+    kernels: the recomputation for the backward pass finds attention's output saved. With
+    ``nothing_saveable`` the forward kernel runs twice. (One call site per kernel in the
+    program: the layers are a loop.)"""
+    from lwm.model import REMAT_POLICIES
+
+    x = jnp.ones((1, SEQ, 8, 128), jnp.bfloat16)
+    ws = jnp.full((2, 3, 128, 128), 0.01, jnp.bfloat16)  # two layers
+
+    def layer(x, w):
+        q, k, v = (x @ w[i] for i in range(3))
+        out = blockwise_attention(q, k, v, block_q=BLOCK, block_k=BLOCK, kernel="pallas")
+        return x + out, None
+
+    calls = {}
+    for policy in ("nothing_saveable", "attention_saveable"):
+        body = jax.checkpoint(layer, policy=REMAT_POLICIES[policy])
+
+        def loss(x, ws, body=body):
+            return jax.lax.scan(body, x, ws)[0].astype(jnp.float32).sum()
+
+        grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
+        calls[policy] = grad.lower(x, ws).compile().as_text().count('"tpu_custom_call"')
+    assert calls == {"nothing_saveable": 4, "attention_saveable": 3}, calls
+
+
 def test_lwm_train_runs_on_the_chip(tmp_path, capsys):
     """A short `lwm train` of configs/tiny.yaml on the chip, in this process (a second process
     could not open the chip this one holds): it names the TPU and the Pallas kernel in its

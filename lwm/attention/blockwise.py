@@ -16,6 +16,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from lwm.attention import blocks, cudnn, pallas
 from lwm.attention._common import (
@@ -87,6 +88,13 @@ def _prepare(q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec: Spec, head_major: bool
     return qs, kv, vma
 
 
+def _named(out, lse):
+    """The kernel's output and log-sum-exp under the names a remat policy can keep
+    (`lwm.model.REMAT_POLICIES`): with both saved, recomputing a layer for its backward pass
+    does not run attention again."""
+    return checkpoint_name(out, "attention_out"), checkpoint_name(lse, "attention_lse")
+
+
 def _forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec: Spec, axis_name: str | None):
     """Output (input dtype), log-sum-exp, the blocked queries and own key/value chunk, and the
     output blocked like the queries: all the backward pass needs."""
@@ -99,6 +107,7 @@ def _forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec: Spec, axis_name: str |
         # dtype (no float32 statistics to fold, as a ring needs between its steps).
         out, lse = pallas.flash_chunk(qs, kv, spec, dtype=q.dtype, head_major=True)
         lse = jnp.where(jnp.isneginf(lse), jnp.inf, lse)  # rows with no key: finalize_stats'
+        out, lse = _named(out, lse)
         return merge_head_major_q(out, q.shape[1]), lse, qs, own_kv, out
     fwd_chunk = _kernel(spec).fwd_chunk
     stats = init_stats(qs, vma)
@@ -112,7 +121,7 @@ def _forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec: Spec, axis_name: str |
         (kv, stats), _ = lax.scan(step, (kv, stats), None, length=n - 1)
     stats = fwd_chunk(qs, kv, stats, spec)  # the last chunk: nothing left to send
     out, lse = finalize_stats(stats)
-    out = out.astype(q.dtype)
+    out, lse = _named(out.astype(q.dtype), lse)
     return merge_q(out, q.shape[1]), lse, qs, own_kv, out
 
 
