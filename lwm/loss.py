@@ -28,7 +28,12 @@ def _cross_entropy(logits: jax.Array, targets: jax.Array, weight: jax.Array):
     logits = logits.astype(jnp.float32)
     targets = jnp.clip(targets, 0, logits.shape[-1] - 1)
     logz = jax.nn.logsumexp(logits, axis=-1)
-    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    # The target's logit as a masked sum, not a gather: its gradient is then elementwise (fused
+    # into the softmax's) instead of a scatter, which on a TPU flattened and copied the float32
+    # logits three times (8 ms of a 320 ms step for 8K tokens and a 32,000-word vocabulary).
+    # The same value and gradient to the bit: every other term is an exact zero.
+    hit = jnp.arange(logits.shape[-1], dtype=targets.dtype) == targets[..., None]
+    picked = jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)
     nll = (logz - picked) * weight
     correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32) * weight
     return nll.sum(), correct.sum(), weight.sum()

@@ -300,6 +300,30 @@ def test_loss_is_balanced_between_modalities():
     assert float(m["vision_accuracy"]) == 0.0
 
 
+def test_cross_entropy_and_its_gradient_match_a_numpy_reference():
+    """`loss_sums`' cross-entropy (the target's logit taken by a masked sum) against float64
+    numpy: the summed NLL, and its gradient softmax - one_hot per weighted position."""
+    from lwm.loss import _cross_entropy
+
+    rng = np.random.default_rng(0)
+    logits = (rng.standard_normal((2, 9, 50)) * 4).astype(np.float32)
+    targets = rng.integers(0, 50, (2, 9))
+    weight = (rng.random((2, 9)) > 0.3).astype(np.float32)
+    x = logits.astype(np.float64)
+    logz = np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1)) + x.max(-1)
+    picked = np.take_along_axis(x, targets[..., None], -1)[..., 0]
+    want = ((logz - picked) * weight).sum()
+    softmax = np.exp(x - logz[..., None])
+    want_grad = (softmax - np.eye(50)[targets]) * weight[..., None]
+
+    def nll(lg):
+        return _cross_entropy(lg, jnp.asarray(targets), jnp.asarray(weight))[0]
+
+    got, grad = jax.value_and_grad(nll)(jnp.asarray(logits))
+    assert float(got) == pytest.approx(want, rel=1e-6)
+    np.testing.assert_allclose(np.asarray(grad), want_grad, atol=1e-6)
+
+
 def test_partial_rotary_matches_a_per_pair_reference():
     """`model.rope_dims`: the first r dimensions of a head rotate as an r-wide rotary embedding
     (pairs i and i + r/2 by position * theta^(-2i/r)); the others pass through unchanged."""
