@@ -96,6 +96,10 @@ class ModelConfig(BaseModel):
     block_q: PositiveInt = 512
     block_k: PositiveInt = 512
     remat_policy: RematPolicy = "nothing_saveable"
+    # Keep each layer's input (what the remat recomputes the layer from) in the host's memory
+    # between the forward and the backward pass instead of on the device: long context on few
+    # chips, for host-device copies. Needs a remat_policy other than none.
+    offload_layer_inputs: bool = False
     scan_layers: bool = True
     mlp_chunk_size: Annotated[int, Field(ge=0)] = 0  # 0 = unchunked
     logits_chunk_size: Annotated[int, Field(ge=0)] = 0  # loss: tokens per logits chunk, 0 = all
@@ -119,6 +123,11 @@ class ModelConfig(BaseModel):
             )
         if self.vision_window and self.vision_grid is None:
             raise ValueError("vision_window needs vision_grid (the code grid it runs over)")
+        if self.offload_layer_inputs and self.remat_policy == "none":
+            raise ValueError(
+                "offload_layer_inputs needs a remat_policy other than none (the layer inputs "
+                "it offloads are what the remat recomputes from)"
+            )
         if self.vision_grid is not None and self.vision_window >= self.vision_grid[1]:
             raise ValueError(
                 f"vision_window ({self.vision_window}) must be below the grid's "

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
@@ -125,6 +126,26 @@ REMAT_POLICIES = {
     ),
     "everything_saveable": jax.checkpoint_policies.everything_saveable,
 }
+
+LAYER_INPUT = "layer_input"
+
+
+def with_offloaded_inputs(policy):
+    """``policy`` with each layer's input (named `LAYER_INPUT`) kept in pinned host memory for
+    the backward pass instead of on the device (`ModelConfig.offload_layer_inputs`)."""
+    offload = jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=(),
+        names_which_can_be_offloaded=(LAYER_INPUT,),
+        offload_src="device",
+        offload_dst="pinned_host",
+    )
+
+    def offloading(prim, *args, **params):
+        if prim.name == "name" and params.get("name") == LAYER_INPUT:
+            return offload(prim, *args, **params)
+        return policy(prim, *args, **params)
+
+    return offloading
 
 
 def _dtype(name: str) -> jnp.dtype:
@@ -402,10 +423,14 @@ class LWMModel(nnx.Module):
         cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_dims)
 
         def layer(x, block, layer_in):
+            x = checkpoint_name(x, LAYER_INPUT)  # what `offload_layer_inputs` moves to the host
             return self._block(block, x, cos, sin, attend, layer_in)
 
         if cfg.remat_policy != "none":
-            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat_policy])
+            policy = REMAT_POLICIES[cfg.remat_policy]
+            if cfg.offload_layer_inputs:
+                policy = with_offloaded_inputs(policy)
+            layer = jax.checkpoint(layer, policy=policy)
 
         if cfg.scan_layers:
             graphdef, stacked = nnx.split(self.layers)

@@ -230,6 +230,7 @@ def test_blockwise_remat_and_chunked_mlp_do_not_change_results():
         dict(attention="blockwise", remat_policy="dots_saveable", scan_layers=True),
         dict(attention="blockwise", remat_policy="attention_saveable", attention_kernel="pallas"),
         dict(attention="blockwise", remat_policy="attention_dots_saveable", block_q=16),
+        dict(attention="blockwise", remat_policy="attention_saveable", offload_layer_inputs=True),
     ):
         got = loss_and_grads(create_model(debug_cfg(**overrides)), batch)
         assert abs(float(got[0]) - float(ref[0])) <= 1e-5 * abs(float(ref[0]))
@@ -265,6 +266,32 @@ def test_attention_saveable_keeps_the_kernels_output_across_the_remat(kernel, ca
     assert any("'attention_out'" in n for n in names) and any("'attention_lse'" in n for n in names)
     dots = [line for line in saved["attention_dots_saveable"] if "dot_general" in line]
     assert len(dots) == 3 and len(saved["attention_dots_saveable"]) == 7, saved  # and q, k, v
+
+
+def test_offload_layer_inputs_keeps_the_layer_inputs_on_the_host(capsys):
+    """`model.offload_layer_inputs`: the layer scan's saved inputs (one per layer) live in
+    host memory, not on the device, and nothing else moves."""
+    from jax.ad_checkpoint import print_saved_residuals
+
+    batch = make_batch(debug_cfg(), b=1, s=32)
+    cfg = debug_cfg(attention="blockwise", remat_policy="nothing_saveable")
+    saved = {}
+    for offload in (False, True):
+        model = create_model(cfg.model_copy(update=dict(offload_layer_inputs=offload)))
+        graphdef, params = nnx.split(model)
+
+        def hidden(params, graphdef=graphdef):
+            m = nnx.merge(graphdef, params)
+            return m.hidden_states(batch["tokens"], batch["vision_mask"]).sum()
+
+        print_saved_residuals(hidden, params)
+        saved[offload] = capsys.readouterr().out.splitlines()
+    layers, hid = cfg.num_layers, cfg.hidden_size
+    stacked = f"[{layers},1,32,{hid}] output of scan"  # the layers' inputs, stacked
+    assert [line for line in saved[False] if stacked in line and "<host>" not in line]
+    assert not [line for line in saved[True] if stacked in line and "<host>" not in line]
+    assert [line for line in saved[True] if stacked in line and "<host>" in line]
+    assert len(saved[True]) == len(saved[False])
 
 
 def test_loss_targets_respect_segments_and_loss_mask():
