@@ -222,9 +222,10 @@ def rope_tables(
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """Rotary embedding of ``x [..., head_dim]``; when the tables are narrower than a head
     (`ModelConfig.rope_dims`), only its first dimensions rotate and the rest pass through
-    (partial rotary, as GPT-NeoX's ``rotary_pct``)."""
+    (partial rotary, as GPT-NeoX's ``rotary_pct``). Computed in the tables' dtype (float32 from
+    `rope_tables`, as LWM does), returned in ``x``'s."""
     rot = cos.shape[-1]
-    xf = x.astype(jnp.float32)
+    xf = x.astype(cos.dtype)
     xr, rest = xf[..., :rot], xf[..., rot:]
     half = rot // 2
     rotated = jnp.concatenate([-xr[..., half:], xr[..., :half]], axis=-1)
@@ -421,6 +422,8 @@ class LWMModel(nnx.Module):
         """
         cfg = self.cfg
         cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_dims)
+        if cfg.rope_dtype == "compute":  # the arithmetic in x's dtype: no float32 copies of q, k
+            cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
 
         def layer(x, block, layer_in):
             x = checkpoint_name(x, LAYER_INPUT)  # what `offload_layer_inputs` moves to the host

@@ -351,6 +351,26 @@ def test_cross_entropy_and_its_gradient_match_a_numpy_reference():
     np.testing.assert_allclose(np.asarray(grad), want_grad, atol=1e-6)
 
 
+def test_rope_in_the_compute_dtype_is_within_bfloat16_rounding_of_float32():
+    """`model.rope_dtype: compute`: a float32 model is unchanged to the bit; a bfloat16
+    model's hidden states stay within bfloat16 rounding of the float32 rotary embedding's."""
+    batch = make_batch(debug_cfg(), b=1, s=32)
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        for rope in ("float32", "compute"):
+            cfg = debug_cfg(dtype=dtype, rope_dtype=rope)
+            model = create_model(cfg, seed=0)
+            h = model.hidden_states(batch["tokens"], batch["vision_mask"], batch["positions"])
+            out[dtype, rope] = np.asarray(h, np.float32)
+    np.testing.assert_array_equal(out["float32", "compute"], out["float32", "float32"])
+    ref = out["float32", "float32"]
+    scale = np.abs(ref).max()
+    base = np.abs(out["bfloat16", "float32"] - ref).max()  # bfloat16 compute's own error
+    err = np.abs(out["bfloat16", "compute"] - ref).max()
+    assert not np.array_equal(out["bfloat16", "compute"], out["bfloat16", "float32"])
+    assert err <= 2 * base + 1e-2 * scale, (err, base, scale)
+
+
 def test_partial_rotary_matches_a_per_pair_reference():
     """`model.rope_dims`: the first r dimensions of a head rotate as an r-wide rotary embedding
     (pairs i and i + r/2 by position * theta^(-2i/r)); the others pass through unchanged."""
