@@ -347,11 +347,17 @@ class LWMModel(nnx.Module):
         chunks = self.cfg.mlp_chunk_size and h.shape[1] // self.cfg.mlp_chunk_size
         if not chunks or chunks <= 1:
             return swiglu(h)
-        # Blockwise MLP: token j goes to chunk j % chunks, so every chunk keeps the sequence
-        # sharding; only one chunk's [batch, seq/chunks, intermediate] is live at a time.
+        # Blockwise MLP: only one chunk's [batch, seq/chunks, intermediate] is live at a time.
+        # Over a sharded sequence token j goes to chunk j % chunks, so that every chunk keeps
+        # the sharding; otherwise chunks are contiguous, which for one row needs no transposed
+        # copies of the activations (1 GiB less in the 570M model's 256K plan on one chip).
         b, s, d = h.shape
         if s % chunks:
             raise ValueError(f"sequence length {s} is not divisible into {chunks} MLP chunks")
+        if self.sequence_shards == 1:
+            hc = jnp.moveaxis(h.reshape(b, chunks, s // chunks, d), 1, 0)
+            out = jax.lax.map(jax.checkpoint(swiglu), hc)
+            return jnp.moveaxis(out, 0, 1).reshape(b, s, d)
         hc = h.reshape(b, s // chunks, chunks, d)
         out = jax.lax.map(jax.checkpoint(swiglu), jnp.moveaxis(hc, 2, 0))
         return jnp.moveaxis(out, 0, 2).reshape(b, s, d)

@@ -237,6 +237,17 @@ def test_blockwise_remat_and_chunked_mlp_do_not_change_results():
         _assert_close(got[2], ref[2], 1e-5)
 
 
+def test_chunked_mlp_over_a_sharded_sequence_equals_dense():
+    """`model.mlp_chunk_size` with the sequence sharded (sp = 2: strided chunks that keep the
+    sharding) gives the loss and gradients of the unchunked dense model."""
+    batch = make_batch(debug_cfg())
+    ref = loss_and_grads(create_model(debug_cfg(attention="dense", remat_policy="none")), batch)
+    cfg = debug_cfg(attention="ring", block_q=4, block_k=4, mlp_chunk_size=16, zigzag=False)
+    got = loss_and_grads(create_model(cfg, mesh=make_mesh("1,2,2,2")), batch)
+    assert abs(float(got[0]) - float(ref[0])) <= 1e-5 * abs(float(ref[0]))
+    _assert_close(got[2], ref[2], 1e-5)
+
+
 @pytest.mark.parametrize("kernel", ["xla", "pallas"])
 def test_attention_saveable_keeps_the_kernels_output_across_the_remat(kernel, capsys):
     """What `attention_saveable` saves for the backward pass of a layer: its inputs and the
