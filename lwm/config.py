@@ -104,6 +104,10 @@ class ModelConfig(BaseModel):
     # with bfloat16 compute, no float32 copies of q and k (4.4 GiB of the 570M model's 128K
     # step on one chip), for one bfloat16 rounding of the angles' cos and sin.
     rope_dtype: Literal["float32", "compute"] = "float32"
+    # Float32 matrix products (jax.default_matmul_precision) in the model's layers, head and XLA
+    # attention: on TPUs "default" is one bfloat16 pass, "high" three, "highest" float32-exact
+    # as on CPUs. The Pallas attention kernel keeps its own. Only float32 models are affected.
+    matmul_precision: Literal["default", "high", "highest"] = "default"
     scan_layers: bool = True
     mlp_chunk_size: Annotated[int, Field(ge=0)] = 0  # 0 = unchunked
     logits_chunk_size: Annotated[int, Field(ge=0)] = 0  # loss: tokens per logits chunk, 0 = all

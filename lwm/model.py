@@ -12,6 +12,8 @@ shapes and logical axes come from the one table in `lwm.info.param_specs`.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -128,6 +130,27 @@ REMAT_POLICIES = {
 }
 
 LAYER_INPUT = "layer_input"
+
+
+_PRECISIONS = {
+    "default": None,
+    "high": jax.lax.Precision.HIGH,
+    "highest": jax.lax.Precision.HIGHEST,
+}
+
+
+def _with_precision(method):
+    """Trace ``method`` under the model's `ModelConfig.matmul_precision`."""
+
+    @functools.wraps(method)
+    def wrapped(self, *args, **kwargs):
+        precision = self.cfg.matmul_precision
+        if precision == "default":
+            return method(self, *args, **kwargs)
+        with jax.default_matmul_precision(precision):
+            return method(self, *args, **kwargs)
+
+    return wrapped
 
 
 def with_offloaded_inputs(policy):
@@ -302,6 +325,7 @@ class LWMModel(nnx.Module):
         blocks = dict(
             block_q=cfg.block_q,
             block_k=cfg.block_k,
+            precision=_PRECISIONS[cfg.matmul_precision],  # its backward is traced later
             kernel=cfg.attention_kernel,
             in_order=in_order,
             reach=reach,
@@ -420,6 +444,7 @@ class LWMModel(nnx.Module):
                 x = x + jnp.where((code >= 0)[..., None], near, 0).astype(dt)
         return self._constrain(x, "batch", "length", "act_embed")
 
+    @_with_precision
     def run_layers(self, x: jax.Array, positions: jax.Array, attend, layers_in=None):
         """All blocks over ``x`` (scanned when ``scan_layers``), then the final norm.
 
@@ -535,6 +560,7 @@ class LWMModel(nnx.Module):
             return tokens
         return jnp.where(tokens >= EOF_ID, tokens - EOF_ID + n, jnp.minimum(tokens, n - 1))
 
+    @_with_precision
     def logits(
         self, hidden: jax.Array, heads: tuple[bool, bool] = (True, True)
     ) -> tuple[jax.Array | None, jax.Array | None]:

@@ -362,6 +362,30 @@ def test_cross_entropy_and_its_gradient_match_a_numpy_reference():
     np.testing.assert_allclose(np.asarray(grad), want_grad, atol=1e-6)
 
 
+@pytest.mark.parametrize("attention", ["blockwise", "dense"])
+def test_matmul_precision_reaches_every_product_forward_and_backward(attention):
+    """`model.matmul_precision: highest`: every matrix product of the gradient of the model's
+    logits (projections, MLP, heads, attention's forward and its custom backward) carries
+    HIGHEST; with ``default`` none does (on TPUs: one bfloat16 pass for float32)."""
+    import re
+
+    tokens, vision = jnp.zeros((1, 64), jnp.int32), jnp.zeros((1, 64), bool)
+    counts = {}
+    for precision in ("default", "highest"):
+        cfg = debug_cfg(attention=attention, block_q=16, block_k=16, matmul_precision=precision)
+        graphdef, params = nnx.split(create_model(cfg))
+
+        def f(params, graphdef=graphdef):
+            m = nnx.merge(graphdef, params)
+            text, image = m.logits(m.hidden_states(tokens, vision))
+            return text.sum() + image.sum()
+
+        dots = re.findall(r"stablehlo.dot_general.*", jax.jit(jax.grad(f)).lower(params).as_text())
+        counts[precision] = (len(dots), sum("HIGHEST" in d for d in dots))
+    n = counts["default"][0]
+    assert n > 20 and counts == {"default": (n, 0), "highest": (n, n)}, counts
+
+
 def test_rope_in_the_compute_dtype_is_within_bfloat16_rounding_of_float32():
     """`model.rope_dtype: compute`: a float32 model is unchanged to the bit; a bfloat16
     model's hidden states stay within bfloat16 rounding of the float32 rotary embedding's."""
