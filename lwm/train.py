@@ -154,7 +154,7 @@ def out_of_memory(error: BaseException, batch: int, seq_len: int) -> str | None:
         f"the train step of {batch} x {seq_len} tokens does not fit the devices' memory ({what}); "
         "lower train.batch_size or train.seq_len, shard over more devices (mesh.shape), or "
         "keep less per layer (model.remat_policy, model.mlp_chunk_size, "
-        "model.logits_chunk_size)"
+        "model.logits_chunk_size, model.offload_layer_inputs, model.rope_dtype)"
     )
 
 
