@@ -129,9 +129,6 @@ REMAT_POLICIES = {
     "everything_saveable": jax.checkpoint_policies.everything_saveable,
 }
 
-LAYER_INPUT = "layer_input"
-
-
 _PRECISIONS = {
     "default": None,
     "high": jax.lax.Precision.HIGH,
@@ -151,6 +148,9 @@ def _with_precision(method):
             return method(self, *args, **kwargs)
 
     return wrapped
+
+
+LAYER_INPUT = "layer_input"  # the name of each layer's input in `LWMModel.run_layers`
 
 
 def with_offloaded_inputs(policy):
