@@ -1,5 +1,6 @@
 """Mesh shapes, the logical axis rules, and shardings on 8 simulated CPU devices."""
 
+import json
 import os
 import subprocess
 import sys
@@ -160,3 +161,24 @@ def test_use_platform_errors_are_one_line() -> None:
     lines = run.stderr.strip().splitlines()
     assert run.returncode == 2 and run.stdout == "", (run.stdout, run.stderr)
     assert len(lines) == 1 and "mesh shape '2,1,2' must have 4" in lines[0], lines
+
+
+def test_bench_train_writes_a_profile_of_each_measurement(tmp_path) -> None:
+    """`bench_train --profile DIR` writes a JAX profiler trace of each measurement into a folder
+    named by its size, length, kernel, remat policy and block, which its JSON line names."""
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_train.py"), "--sizes", "tiny",
+         "--seqs", "256", "--attention", "blockwise", "--mesh", "1,1,1,1", "--repeats", "1",
+         "--block", "128", "--remat", "attention_saveable", "--profile", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    records = [json.loads(x) for x in run.stdout.splitlines() if x.startswith("{")]
+    step = [r for r in records if r["bench"] == "train_step"]
+    assert len(step) == 1 and step[0]["block"] == 128 and step[0]["remat"] == "attention_saveable"
+    traces = list((tmp_path / "tiny-256-xla-attention_saveable-128").rglob("*.xplane.pb"))
+    assert len(traces) == 1 and traces[0].stat().st_size > 0, list(tmp_path.rglob("*"))
