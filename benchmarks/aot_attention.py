@@ -41,7 +41,8 @@ def main() -> None:
         default="ours",
         help="comma-separated: ours (ring_attention), splash (JAX's splash attention, one "
         "device, [batch, heads, seq, head_dim] inputs), splash-seq (splash from [batch, seq, "
-        "heads, head_dim] inputs, transposed in the call as MaxText does); default ours",
+        "heads, head_dim] inputs, transposed in the call as MaxText does), ours-hm (ours on "
+        "one device given splash's layout, swapped in the call); default ours",
     )
     p.add_argument("--no-segments", action="store_true", help="positions only, no segment ids")
     p.add_argument(
@@ -54,8 +55,8 @@ def main() -> None:
     )
     args = p.parse_args()
     impls = [i for i in args.impls.split(",") if i]
-    if bad := [i for i in impls if i not in ("ours", "splash", "splash-seq")]:
-        raise ValueError(f"unknown --impls {bad[0]!r} (known: ours, splash, splash-seq)")
+    if bad := [i for i in impls if i not in ("ours", "ours-hm", "splash", "splash-seq")]:
+        raise ValueError(f"unknown --impls {bad[0]!r} (known: ours, ours-hm, splash, splash-seq)")
 
     import jax
     import jax.numpy as jnp
@@ -79,6 +80,18 @@ def main() -> None:
             q, k, v, mesh=mesh, q_positions=pos, kv_positions=pos, q_segment_ids=seg,
             kv_segment_ids=seg, block_q=args.block, block_k=args.block, kernel=args.kernel,
         )  # fmt: skip
+
+    def ours_hm(q, k, v, pos):
+        """Ours on one device given ``[batch, heads, seq, head_dim]``, swapped to the API's
+        layout and back: XLA folds the swaps into the kernel's head-major blocking."""
+        q, k, v = (jnp.swapaxes(a, 1, 2) for a in (q, k, v))
+        seg = None if args.no_segments else jnp.zeros_like(pos)
+        out = ring_attention(
+            q, k, v, mesh=mesh, axis_name=None, q_positions=pos, kv_positions=pos,
+            q_segment_ids=seg, kv_segment_ids=seg, block_q=args.block, block_k=args.block,
+            kernel=args.kernel,
+        )  # fmt: skip
+        return jnp.swapaxes(out, 1, 2)
 
     def reference(name):
         import bench_attention  # benchmarks/, beside this script
@@ -121,12 +134,12 @@ def main() -> None:
         return (("fwd", fn), ("fwd_bwd", fwd_bwd))
 
     for impl in impls:
-        head_major = impl == "splash"
+        head_major = impl in ("splash", "ours-hm")
         if impl != "ours" and mesh.size != 1:
             raise ValueError("the splash impl compiles for one device (--mesh 1,1,1,1)")
         dims = (1, args.heads, args.seq, 128) if head_major else shape
         qkv = jax.ShapeDtypeStruct(dims, jnp.bfloat16, sharding=x)
-        attend = ours if impl == "ours" else reference(impl)
+        attend = {"ours": ours, "ours-hm": ours_hm}.get(impl) or reference(impl)
         if args.projections:
             cases = projected(attend, head_major)
             inputs = (acts, w_in, w_in, w_in, w_out, pos, acts)
@@ -143,7 +156,7 @@ def main() -> None:
                 "mesh": args.mesh,
                 "seq": args.seq,
                 "impl": impl,
-                "kernel": args.kernel if impl == "ours" else None,
+                "kernel": args.kernel if impl.startswith("ours") else None,
                 "block": args.block,
                 "mode": mode,
                 "projections": args.projections,

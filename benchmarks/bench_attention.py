@@ -95,15 +95,16 @@ BWD_FLOP_FACTOR = 3.5  # fwd (1) + bwd (2.5)
 # ours-blockwise: `blockwise_attention` (no ring); splash, flash: JAX's TPU kernels
 # (jax.experimental.pallas.ops.tpu), called with their own [batch, heads, seq, head_dim] layout;
 # splash-seq: splash called from [batch, seq, heads, head_dim] activations, transposed in the
-# call as MaxText does (ours takes that layout)
+# call as MaxText does (ours takes that layout); ours-hm: ours-blockwise given splash's
+# [batch, heads, seq, head_dim], the layout its Pallas kernel blocks (no copies)
 IMPLS = (
-    "ours", "ours-blockwise", "ours-cudnn", "ours-cudnn-doc", "cudnn", "splash", "splash-seq",
-    "flash", "ringattention", "dense",
+    "ours", "ours-blockwise", "ours-hm", "ours-cudnn", "ours-cudnn-doc", "cudnn", "splash",
+    "splash-seq", "flash", "ringattention", "dense",
 )  # fmt: skip
 CPU_IMPLS = ("ours", "ringattention", "dense")  # the default impls per platform
 GPU_IMPLS = ("ours", "ours-cudnn", "ours-cudnn-doc", "cudnn", "ringattention")
-TPU_IMPLS = ("ours", "ours-blockwise", "splash", "splash-seq", "flash")
-HEAD_MAJOR = ("splash", "flash")  # impls that take [batch, heads, seq, head_dim]
+TPU_IMPLS = ("ours", "ours-blockwise", "ours-hm", "splash", "splash-seq", "flash")
+HEAD_MAJOR = ("splash", "flash", "ours-hm")  # impls given [batch, heads, seq, head_dim]
 KV_HEADS = None  # --kv-heads (None: as many as the query heads)
 DOC_LEN = None  # --doc-len: packed rows of documents this long (segment ids, positions restart)
 KERNEL = "xla"
@@ -247,6 +248,19 @@ def blockwise_fn(mesh: Mesh, block: int) -> AttnFn:
             q_segment_ids=segments, kv_segment_ids=segments, block_q=block, block_k=block,
             kernel=KERNEL,
         )  # fmt: skip
+
+    return f
+
+
+def blockwise_hm_fn(mesh: Mesh, block: int) -> AttnFn:
+    """`blockwise_fn` given ``[batch, heads, seq, head_dim]`` arrays, as splash is: swapped to
+    the API's ``[batch, seq, heads, head_dim]`` and back, which XLA folds into the Pallas
+    kernel's own head-major blocking (no copies), as it does between a model's projections."""
+    attend = blockwise_fn(mesh, block)
+
+    def f(q, k, v, positions, segments=None):
+        q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
+        return jnp.swapaxes(attend(q, k, v, positions, segments), 1, 2)
 
     return f
 
@@ -398,6 +412,7 @@ IMPL_FNS: dict[str, Callable[[Mesh, int], AttnFn]] = {
     "ours-cudnn": partial(ours_fn, kernel="cudnn"),
     "ours-cudnn-doc": partial(ours_fn, kernel="cudnn", positions_given=False),
     "ours-blockwise": blockwise_fn,
+    "ours-hm": blockwise_hm_fn,
     "cudnn": cudnn_fn,
     "splash": splash_fn,
     "splash-seq": splash_seq_fn,
@@ -510,6 +525,7 @@ def base_record(case: Case, block: int) -> dict[str, Any]:
         "kernel": {
             "ours": KERNEL,
             "ours-blockwise": KERNEL,
+            "ours-hm": KERNEL,
             "ours-cudnn": "cudnn",
             "ours-cudnn-doc": "cudnn",
         }.get(case.impl),  # fmt: skip
@@ -633,6 +649,7 @@ def run_cases(
 RATIOS = (
     ("ours", "splash"),
     ("ours-blockwise", "splash"),
+    ("ours-hm", "splash"),
     ("ours", "splash-seq"),
     ("ours", "flash"),
     ("ours", "ringattention"),

@@ -182,3 +182,22 @@ def test_bench_train_writes_a_profile_of_each_measurement(tmp_path) -> None:
     assert len(step) == 1 and step[0]["block"] == 128 and step[0]["remat"] == "attention_saveable"
     traces = list((tmp_path / "tiny-256-xla-attention_saveable-128").rglob("*.xplane.pb"))
     assert len(traces) == 1 and traces[0].stat().st_size > 0, list(tmp_path.rglob("*"))
+
+
+def test_bench_attention_ours_given_head_major_arrays_equals_dense() -> None:
+    """`bench_attention --impls ours-hm` (blockwise attention given splash's [batch, heads,
+    seq, head_dim] arrays) computes the same attention as dense, forward and gradients."""
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_attention.py"), "--impls", "ours-hm",
+         "--seqs", "256", "--block", "64", "--heads", "4", "--cpu-devices", "1", "--repeats",
+         "1", "--check"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    checks = [json.loads(x) for x in run.stdout.splitlines() if '"attention_check"' in x]
+    assert {c["mode"] for c in checks} == {"fwd", "fwd_bwd"}, checks
+    assert all(c["status"] == "ok" and c["max_rel_err_vs_dense"] < 1e-5 for c in checks), checks
