@@ -318,7 +318,9 @@ def blockwise_attention(
     order); the cuDNN kernel then checks it once per call and, where it holds, decides nothing
     else at run time (the result is the same either way); ``reach``: with it, that no query
     looks back more than this many tokens, itself included (`look_back`), so that key pieces
-    out of reach are skipped (also checked).
+    out of reach are skipped (also checked). Arrays held as ``[batch, heads, seq, head_dim]``
+    can be passed swapped (``jnp.swapaxes(x, 1, 2)``, the output swapped back): with the Pallas
+    kernel on one device XLA folds the swaps into the kernel's head-major blocks, no copies.
     """
     given = (q_positions, kv_positions, q_segment_ids, kv_segment_ids)
     args, spec = prepare_inputs(
