@@ -128,6 +128,19 @@ def test_shard_shape_rounds_up_for_planned_meshes() -> None:
     assert shard_shape((3, 5), PartitionSpec(), sizes) == (3, 5)
 
 
+def run_benchmark(script: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``benchmarks/<script> args`` in a fresh process, free to pick its own platform and
+    devices (without the suite's JAX_PLATFORMS and XLA_FLAGS)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    return subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
+
+
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks the errors of a CPU host")
 def test_use_platform_errors_are_one_line() -> None:
     """Late or unknown platforms are refused by name; a benchmark asked for a GPU on a host
@@ -138,26 +151,13 @@ def test_use_platform_errors_are_one_line() -> None:
         use_platform("tpu")
     with pytest.raises(MeshError, match="--platform npu: expected one of cpu, tpu, gpu, auto"):
         use_platform("npu")
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
     for script in ("bench_train.py", "bench_attention.py"):
-        run = subprocess.run(
-            [sys.executable, str(ROOT / "benchmarks" / script), "--platform", "gpu"],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=120,
-        )
+        run = run_benchmark(script, "--platform", "gpu", timeout=120)
         lines = run.stderr.strip().splitlines()
         assert run.returncode != 0 and run.stdout == "", (script, run.stdout, run.stderr)
         assert len(lines) == 1 and "--platform gpu: JAX finds no CUDA GPU" in lines[0], lines
     # a mesh the simulated CPU devices cannot form: one line, nothing measured
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_train.py"), "--mesh", "2,1,2"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
+    run = run_benchmark("bench_train.py", "--mesh", "2,1,2", timeout=120)
     lines = run.stderr.strip().splitlines()
     assert run.returncode == 2 and run.stdout == "", (run.stdout, run.stderr)
     assert len(lines) == 1 and "mesh shape '2,1,2' must have 4" in lines[0], lines
@@ -166,15 +166,10 @@ def test_use_platform_errors_are_one_line() -> None:
 def test_bench_train_writes_a_profile_of_each_measurement(tmp_path) -> None:
     """`bench_train --profile DIR` writes a JAX profiler trace of each measurement into a folder
     named by its size, length, kernel, remat policy and block, which its JSON line names."""
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_train.py"), "--sizes", "tiny",
-         "--seqs", "256", "--attention", "blockwise", "--mesh", "1,1,1,1", "--repeats", "1",
-         "--block", "128", "--remat", "attention_saveable", "--profile", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
+    run = run_benchmark(
+        "bench_train.py", "--sizes", "tiny", "--seqs", "256", "--attention", "blockwise",
+        "--mesh", "1,1,1,1", "--repeats", "1", "--block", "128", "--remat", "attention_saveable",
+        "--profile", str(tmp_path),
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
     records = [json.loads(x) for x in run.stdout.splitlines() if x.startswith("{")]
@@ -187,15 +182,9 @@ def test_bench_train_writes_a_profile_of_each_measurement(tmp_path) -> None:
 def test_bench_attention_ours_given_head_major_arrays_equals_dense() -> None:
     """`bench_attention --impls ours-hm` (blockwise attention given splash's [batch, heads,
     seq, head_dim] arrays) computes the same attention as dense, forward and gradients."""
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_attention.py"), "--impls", "ours-hm",
-         "--seqs", "256", "--block", "64", "--heads", "4", "--cpu-devices", "1", "--repeats",
-         "1", "--check"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
+    run = run_benchmark(
+        "bench_attention.py", "--impls", "ours-hm", "--seqs", "256", "--block", "64", "--heads",
+        "4", "--cpu-devices", "1", "--repeats", "1", "--check",
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
     checks = [json.loads(x) for x in run.stdout.splitlines() if '"attention_check"' in x]
