@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from functools import partial
 
 
 def main() -> None:
@@ -74,24 +75,20 @@ def main() -> None:
         (1, args.seq), jnp.int32, sharding=NamedSharding(mesh, P(None, "sp"))
     )
 
-    def ours(q, k, v, pos):
+    def ours(q, k, v, pos, axis_name="sp"):
         seg = None if args.no_segments else jnp.zeros_like(pos)
         return ring_attention(
-            q, k, v, mesh=mesh, q_positions=pos, kv_positions=pos, q_segment_ids=seg,
-            kv_segment_ids=seg, block_q=args.block, block_k=args.block, kernel=args.kernel,
+            q, k, v, mesh=mesh, axis_name=axis_name, q_positions=pos, kv_positions=pos,
+            q_segment_ids=seg, kv_segment_ids=seg, block_q=args.block, block_k=args.block,
+            kernel=args.kernel,
         )  # fmt: skip
 
     def ours_hm(q, k, v, pos):
         """Ours on one device given ``[batch, heads, seq, head_dim]``, swapped to the API's
         layout and back: XLA folds the swaps into the kernel's head-major blocking."""
-        q, k, v = (jnp.swapaxes(a, 1, 2) for a in (q, k, v))
-        seg = None if args.no_segments else jnp.zeros_like(pos)
-        out = ring_attention(
-            q, k, v, mesh=mesh, axis_name=None, q_positions=pos, kv_positions=pos,
-            q_segment_ids=seg, kv_segment_ids=seg, block_q=args.block, block_k=args.block,
-            kernel=args.kernel,
-        )  # fmt: skip
-        return jnp.swapaxes(out, 1, 2)
+        from bench_attention import swapped  # benchmarks/, beside this script
+
+        return swapped(partial(ours, axis_name=None))(q, k, v, pos)
 
     def reference(name):
         import bench_attention  # benchmarks/, beside this script

@@ -252,17 +252,23 @@ def blockwise_fn(mesh: Mesh, block: int) -> AttnFn:
     return f
 
 
+def swapped(attend: Callable) -> Callable:
+    """``attend`` called from arrays with the sequence and head axes the other way round
+    (``[batch, seq, heads, head_dim]`` <-> ``[batch, heads, seq, head_dim]``): q, k, v swapped
+    in, the output swapped back."""
+
+    def f(q, k, v, *rest):
+        q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
+        return jnp.swapaxes(attend(q, k, v, *rest), 1, 2)
+
+    return f
+
+
 def blockwise_hm_fn(mesh: Mesh, block: int) -> AttnFn:
     """`blockwise_fn` given ``[batch, heads, seq, head_dim]`` arrays, as splash is: swapped to
     the API's ``[batch, seq, heads, head_dim]`` and back, which XLA folds into the Pallas
     kernel's own head-major blocking (no copies), as it does between a model's projections."""
-    attend = blockwise_fn(mesh, block)
-
-    def f(q, k, v, positions, segments=None):
-        q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
-        return jnp.swapaxes(attend(q, k, v, positions, segments), 1, 2)
-
-    return f
+    return swapped(blockwise_fn(mesh, block))
 
 
 def splash_fn(mesh: Mesh, block: int) -> AttnFn:
@@ -298,13 +304,7 @@ def splash_fn(mesh: Mesh, block: int) -> AttnFn:
 def splash_seq_fn(mesh: Mesh, block: int) -> AttnFn:
     """`splash_fn` called from ``[batch, seq, heads, head_dim]`` arrays, as a model whose
     activations are laid out so (ours, MaxText's) calls it: transposed in, and out."""
-    splash = splash_fn(mesh, block)
-
-    def f(q, k, v, positions, segments=None):
-        q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
-        return jnp.swapaxes(splash(q, k, v, positions, segments), 1, 2)
-
-    return f
+    return swapped(splash_fn(mesh, block))
 
 
 def flash_fn(mesh: Mesh, block: int) -> AttnFn:
