@@ -136,7 +136,8 @@ def bench_one(
     processes run it, for the reach of the loader's plan). ``block``: the attention's query and
     key blocks; ``profile``: a folder to write a JAX profiler trace of one more step into."""
     path, overrides = SIZES[size]
-    cfg = load_config(path, settings).model.model_copy(
+    full = load_config(path, settings)
+    cfg = full.model.model_copy(
         update={
             **overrides,
             "attention": attention,
@@ -150,7 +151,9 @@ def bench_one(
     model = create_model(cfg, mesh=mesh)
     graphdef, params = nnx.split(model, nnx.Param)
     tx, _ = make_optimizer(1e-4)
-    _, abs_params, abs_opt = abstract_train_state(cfg, mesh, tx)
+    _, abs_params, abs_opt = abstract_train_state(
+        cfg, mesh, tx, offload_optimizer=full.train.offload_optimizer
+    )
     opt_shardings = jax.tree.map(lambda x: x.sharding, abs_opt)
     opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
     sp = mesh.shape["sp"]

@@ -219,6 +219,11 @@ class TrainConfig(BaseModel):
     # (`lwm.train_step.make_optimizer`)
     optimizer: Literal[OPTIMIZERS] = "adamw"  # type: ignore[valid-type]
     clip_norm: PositiveFloat | None = 1.0
+    # Keep the optimizer state (AdamW's two moments: twice the float32 parameters) in pinned
+    # host memory between steps; each step moves it to the device for the update only, so the
+    # forward and backward passes have that much more device memory (two transfers of the
+    # state per step; for long sequences on few chips, `docs/long-context.md`)
+    offload_optimizer: bool = False
     text_loss_weight: Annotated[float, Field(ge=0)] = 0.5
     vision_loss_weight: Annotated[float, Field(ge=0)] = 0.5
     init_from: str | None = None  # hf:DIR, lwm:PATH (params::PATH), orbax:DIR

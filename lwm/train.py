@@ -154,7 +154,8 @@ def out_of_memory(error: BaseException, batch: int, seq_len: int) -> str | None:
         f"the train step of {batch} x {seq_len} tokens does not fit the devices' memory ({what}); "
         "lower train.batch_size or train.seq_len, shard over more devices (mesh.shape), or "
         "keep less per layer (model.remat_policy, model.mlp_chunk_size, "
-        "model.logits_chunk_size, model.offload_layer_inputs, model.rope_dtype)"
+        "model.logits_chunk_size, model.offload_layer_inputs, model.rope_dtype, "
+        "train.offload_optimizer)"
     )
 
 
@@ -180,7 +181,9 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
     output = Path(tc.output_dir)
     QAEvaluator.check_inputs(cfg)
     tx, schedule = optimizer_from_config(tc)
-    graphdef, abs_params, abs_opt = abstract_train_state(model_cfg, mesh, tx)
+    graphdef, abs_params, abs_opt = abstract_train_state(
+        model_cfg, mesh, tx, offload_optimizer=tc.offload_optimizer
+    )
     shardings = jax.tree.map(lambda x: x.sharding, {"params": abs_params, "opt_state": abs_opt})
     found = _check_same_model(output, model_cfg, tc)
     loader = build_loader(cfg, seq_len, layout)

@@ -254,6 +254,7 @@ def train_step(
     mesh: Mesh | None = None,
     rows: str | None = None,
     reach: int = 0,
+    opt_device=None,
 ):
     """One optimizer step; returns new parameters, optimizer state and metrics (incl. grad norm).
 
@@ -262,7 +263,8 @@ def train_step(
     order, how far back any query looks (`row_reach`; 0: unknown). With ``grad_accum > 1``
     the batch is split into micro-batches whose gradients are summed; each micro-batch loss is
     averaged over the whole batch's target counts, so the result equals one step on the whole
-    batch (up to float summation order).
+    batch (up to float summation order). ``opt_device``: the device shardings to move an
+    optimizer state kept in host memory to for the update (`TrainConfig.offload_optimizer`).
     """
     grads_of = _grads_fn(params, graphdef, weights, rows, reach)
     if grad_accum == 1:
@@ -282,6 +284,8 @@ def train_step(
         if "one_document" in metrics:  # summed over micro-batches: the share that took it
             metrics["one_document"] = metrics["one_document"] / grad_accum
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+    if opt_device is not None:
+        opt_state = jax.device_put(opt_state, opt_device)
     updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     metrics = dict(metrics, grad_norm=optax.tree.norm(grads))
@@ -315,8 +319,19 @@ def layers_sharding(sharding: NamedSharding, num_layers: int) -> NamedSharding:
     return NamedSharding(mesh, P(lead, *(rest(e) for e in spec[1:])))
 
 
-def abstract_train_state(cfg: ModelConfig, mesh: Mesh, tx: optax.GradientTransformation):
-    """(graphdef, params, opt_state) with `jax.ShapeDtypeStruct` leaves carrying shardings."""
+HOST_MEMORY = "pinned_host"
+
+
+def abstract_train_state(
+    cfg: ModelConfig,
+    mesh: Mesh,
+    tx: optax.GradientTransformation,
+    *,
+    offload_optimizer: bool = False,
+):
+    """(graphdef, params, opt_state) with `jax.ShapeDtypeStruct` leaves carrying shardings;
+    ``offload_optimizer``: the optimizer state's in pinned host memory
+    (`TrainConfig.offload_optimizer`; `jit_train_step` then moves it for the update)."""
     graphdef, params = abstract_params(cfg, mesh)
     # Optimizer moments take their parameter's sharding, but for Muon's momentum of stacked
     # block matrices split by layer as well (`layers_sharding`); counts and other scalars
@@ -351,6 +366,13 @@ def abstract_train_state(cfg: ModelConfig, mesh: Mesh, tx: optax.GradientTransfo
         transform_non_params=lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
         is_leaf=masked,
     )
+    if offload_optimizer:
+        opt_state = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(
+                x.shape, x.dtype, sharding=x.sharding.with_memory_kind(HOST_MEMORY)
+            ),
+            opt_state,
+        )
     return graphdef, params, opt_state
 
 
@@ -402,6 +424,10 @@ def jit_train_step(
     ``reach``: what is known of the batches' rows it is for (`train_step`)."""
     param_shardings = jax.tree.map(lambda x: x.sharding, params)
     opt_shardings = jax.tree.map(lambda x: x.sharding, opt_state)
+    on_host = any(s.memory_kind == HOST_MEMORY for s in jax.tree.leaves(opt_shardings))
+    opt_device = (
+        jax.tree.map(lambda s: s.with_memory_kind("device"), opt_shardings) if on_host else None
+    )
     return jax.jit(
         lambda p, o, b: train_step(
             p,
@@ -414,6 +440,7 @@ def jit_train_step(
             mesh=mesh,
             rows=rows,
             reach=reach,
+            opt_device=opt_device,
         ),
         in_shardings=(param_shardings, opt_shardings, batch_sharding(mesh)),
         out_shardings=(param_shardings, opt_shardings, NamedSharding(mesh, P())),

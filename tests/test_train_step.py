@@ -474,3 +474,47 @@ def test_row_orders_follow_the_kernel_and_the_mesh(monkeypatch):
     three = ("any", "in_order", "one_document")
     assert list(got.values()) == [("any",), ("any", "one_document"), three, three, ("any",)]
     assert chooses == {"float32": False, "bfloat16": True}
+
+
+def test_optimizer_state_kept_on_the_host_gives_the_same_steps():
+    """`train.offload_optimizer`: the state lives in pinned host memory between steps (the
+    step's inputs and outputs say so) and the steps equal those with it on the devices."""
+    from lwm.train_step import HOST_MEMORY, jit_train_step
+
+    cfg = load_config("configs/debug.yaml").model
+    mesh = make_mesh("1,2,2,2")
+    tx, _ = make_optimizer(1e-2, warmup_steps=1, total_steps=10)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 256, (2, 64)).astype(np.int32)
+    vision = np.zeros((2, 64), bool)
+    t = next_token_targets(tokens, vision, np.ones((2, 64), np.float32))
+    batch = dict(
+        tokens=tokens,
+        vision_mask=vision,
+        frame_cells=frame_cells(tokens, vision),
+        positions=np.tile(np.arange(64), (2, 1)).astype(np.int32),
+        segment_ids=np.ones((2, 64), np.int32),
+        target_tokens=t.tokens,
+        target_is_vision=t.is_vision,
+        target_weight=t.weight,
+    )
+    runs = {}
+    for offload in (False, True):
+        graphdef, params = nnx.split(create_model(cfg, mesh=mesh), nnx.Param)
+        _, abs_params, abs_opt = abstract_train_state(cfg, mesh, tx, offload_optimizer=offload)
+        kinds = {x.sharding.memory_kind for x in jax.tree.leaves(abs_opt)}
+        assert kinds == ({HOST_MEMORY} if offload else {"device"})
+        opt_state = jax.jit(tx.init, out_shardings=jax.tree.map(lambda x: x.sharding, abs_opt))(
+            params
+        )
+        step = jit_train_step(graphdef, tx, mesh, abs_params, abs_opt)
+        losses = []
+        for _ in range(3):
+            params, opt_state, metrics = step(params, opt_state, batch)
+            losses.append(float(metrics["loss"]))
+        kinds = {x.sharding.memory_kind for x in jax.tree.leaves(opt_state)}
+        assert kinds == ({HOST_MEMORY} if offload else {"device"})
+        runs[offload] = losses, params, opt_state
+    assert runs[True][0] == runs[False][0]
+    for a, b in zip(jax.tree.leaves(runs[True][1:]), jax.tree.leaves(runs[False][1:]), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

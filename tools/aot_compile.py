@@ -90,7 +90,9 @@ def main() -> int:
         model_cfg = model_cfg.model_copy(update={"max_seq_len": seq})
     tx, _ = make_optimizer(optimizer=cfg.train.optimizer, weight_decay=cfg.train.weight_decay)
     t0 = time.perf_counter()
-    graphdef, params, opt_state = abstract_train_state(model_cfg, mesh, tx)
+    graphdef, params, opt_state = abstract_train_state(
+        model_cfg, mesh, tx, offload_optimizer=cfg.train.offload_optimizer
+    )
     from data.tokens import window_offsets
 
     window = len(window_offsets(model_cfg.vision_window)) if model_cfg.vision_window else 0
