@@ -13,7 +13,7 @@ for a TPU topology the Pallas kernels go through libtpu's Mosaic compiler.
       python benchmarks/aot_attention.py --topology v5e:1x1 --mesh 1,1,1,1 --seq 131072 \
       --block 1024 --impls ours,splash --no-segments
 
-Shapes: batch 1, ``--heads`` query and key/value heads of 128, bfloat16, one segment id per
+Shapes: batch 1, ``--heads`` query and key/value heads of ``--head-dim``, bfloat16, one segment id per
 token (the packed-row path; ``--no-segments``: positions only, as `bench_attention.py` runs one
 document), causal, blocks of ``--block``, positions 0..seq-1. ``fwd`` returns the output,
 ``fwd_bwd`` the gradients of ``sum(out * cotangent)``, as `bench_attention.py` times them.
@@ -32,7 +32,8 @@ def main() -> None:
     p.add_argument("--topology", required=True, help="TPU topology, e.g. v5p:2x2x1")
     p.add_argument("--mesh", required=True, help="dp,fsdp,sp,tp")
     p.add_argument("--seq", type=int, default=32768, help="tokens in the sequence")
-    p.add_argument("--heads", type=int, default=32, help="query and key/value heads, of 128")
+    p.add_argument("--heads", type=int, default=32, help="query and key/value heads")
+    p.add_argument("--head-dim", type=int, default=128, help="each head's width (default 128)")
     p.add_argument("--block", type=int, default=512, help="block_q = block_k")
     p.add_argument(
         "--kernel", default="pallas", choices=("xla", "pallas"), help="block kernel: xla or pallas"
@@ -50,7 +51,7 @@ def main() -> None:
         "--projections",
         action="store_true",
         help="attention as a model runs it: q, k, v projected from activations [batch, seq, "
-        "heads x 128] and the output projected back (fwd+bwd: the gradients of the "
+        "heads x head_dim] and the output projected back (fwd+bwd: the gradients of the "
         "activations and the four weights); each impl's projections write the layout it "
         "takes, so a layout change can fold into them",
     )
@@ -70,7 +71,8 @@ def main() -> None:
     devices = tpu_topology_devices(args.topology)
     mesh = make_mesh(args.mesh, devices=devices)
     x = NamedSharding(mesh, P(None, "sp", None, None))
-    shape = (1, args.seq, args.heads, 128)
+    hd = args.head_dim
+    shape = (1, args.seq, args.heads, hd)
     pos = jax.ShapeDtypeStruct(
         (1, args.seq), jnp.int32, sharding=NamedSharding(mesh, P(None, "sp"))
     )
@@ -108,13 +110,13 @@ def main() -> None:
 
         return (("fwd", lambda q, k, v, pos, ct: attend(q, k, v, pos)), ("fwd_bwd", fwd_bwd))
 
-    width = args.heads * 128
+    width = args.heads * hd
     acts = jax.ShapeDtypeStruct(
         (1, args.seq, width), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, "sp", None))
     )
     replicated = NamedSharding(mesh, P())
-    w_in = jax.ShapeDtypeStruct((width, args.heads, 128), jnp.bfloat16, sharding=replicated)
-    w_out = jax.ShapeDtypeStruct((args.heads, 128, width), jnp.bfloat16, sharding=replicated)
+    w_in = jax.ShapeDtypeStruct((width, args.heads, hd), jnp.bfloat16, sharding=replicated)
+    w_out = jax.ShapeDtypeStruct((args.heads, hd, width), jnp.bfloat16, sharding=replicated)
 
     def projected(attend, head_major):
         """x -> q, k, v (in the layout ``attend`` takes) -> attention -> x's shape."""
@@ -134,7 +136,7 @@ def main() -> None:
         head_major = impl in ("splash", "ours-hm")
         if impl != "ours" and mesh.size != 1:
             raise ValueError("the splash impl compiles for one device (--mesh 1,1,1,1)")
-        dims = (1, args.heads, args.seq, 128) if head_major else shape
+        dims = (1, args.heads, args.seq, hd) if head_major else shape
         qkv = jax.ShapeDtypeStruct(dims, jnp.bfloat16, sharding=x)
         attend = {"ours": ours, "ours-hm": ours_hm}.get(impl) or reference(impl)
         if args.projections:
@@ -152,6 +154,7 @@ def main() -> None:
                 "topology": args.topology,
                 "mesh": args.mesh,
                 "seq": args.seq,
+                "head_dim": hd,
                 "impl": impl,
                 "kernel": args.kernel if impl.startswith("ours") else None,
                 "block": args.block,
