@@ -259,6 +259,10 @@ class DataConfig(BaseModel):
     # each batch is read when the step asks for it)
     read_threads: Annotated[int, Field(ge=0)] = 2
     prefetch: PositiveInt = 4  # batches read ahead
+    # batches made ready on the devices (read, packed, transferred, their rows' order checked)
+    # ahead of the step that takes them, by a thread beside the training loop
+    # (`lwm.train.BatchPrefetch`)
+    device_prefetch: PositiveInt = 2
     # How the turns of a QA record see each other (`data.batches.QA_TURNS`): "chained", each
     # after the turns before it (LWM's records); "isolated", each sees only the record's video
     # and itself, right after the video, as `lwm ask` asks a question (a dataset source only);

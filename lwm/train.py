@@ -18,7 +18,9 @@ order (``rows_*``, `lwm.model.ROW_ORDERS`: each order runs a step compiled for i
 from __future__ import annotations
 
 import math
+import queue
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -325,29 +327,36 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
                     host["mfu_causal_of_spec"] = spec_mfu
                 writer.write(step, host)
 
+    def next_batch(step: int):
+        """Batch ``step`` on the devices, its rows' schedule and the loader's state after it
+        (what a checkpoint of that step keeps): made in `BatchPrefetch`'s thread."""
+        local = next(loader)
+        batch = {
+            k: jax.make_array_from_process_local_data(bsharding, v, (*global_shape, *v.shape[2:]))
+            for k, v in local.items()
+        }
+        rows, reach = None, 0
+        if on_host or planned:
+            positions, segments = local["positions"], local["segment_ids"]
+            rows, reach = row_schedule(positions, segments, order_layout, sp, orders)
+        if planned:  # the plan's reach, and this host's rows within it
+            mine, rows, reach = reach, None, round_reach(loader.last_look_back())
+            if mine > reach:
+                raise TrainingError(
+                    f"step {step}: this host's rows look back {mine} tokens, more than the "
+                    f"{reach} of the loader's plan for the whole batch"
+                )
+        return batch, rows, reach, loader.state()
+
     stopped_by = None
     step = start
+    batches = BatchPrefetch(
+        next_batch, range(start + 1, tc.steps + 1), depth=cfg.data.device_prefetch
+    )
     try:
         for step in range(start + 1, tc.steps + 1):
             t_data = time.perf_counter()
-            local = next(loader)
-            batch = {
-                k: jax.make_array_from_process_local_data(
-                    bsharding, v, (*global_shape, *v.shape[2:])
-                )
-                for k, v in local.items()
-            }
-            rows, reach = None, 0
-            if on_host or planned:
-                positions, segments = local["positions"], local["segment_ids"]
-                rows, reach = row_schedule(positions, segments, order_layout, sp, orders)
-            if planned:  # the plan's reach, and this host's rows within it
-                mine, rows, reach = reach, None, round_reach(loader.last_look_back())
-                if mine > reach:
-                    raise TrainingError(
-                        f"step {step}: this host's rows look back {mine} tokens, more than the "
-                        f"{reach} of the loader's plan for the whole batch"
-                    )
+            batch, rows, reach, loader_state = batches.get()
             waited = time.perf_counter() - t_data
             try:
                 params, opt_state, metrics = step_for(rows, reach)(params, opt_state, batch)
@@ -363,7 +372,7 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
             if stop.received is not None or save_now:
                 check(step)
                 save_checkpoint(
-                    manager, step, params, opt_state, {"step": step, "loader": loader.state()}
+                    manager, step, params, opt_state, {"step": step, "loader": loader_state}
                 )
                 last_good_save = step
             if evaluator is not None and (step % cfg.eval.every == 0 or step == tc.steps):
@@ -395,6 +404,7 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
                 break
         check(step)
     finally:
+        batches.close()
         manager.wait_until_finished()
         manager.close()
         writer.close()
@@ -402,6 +412,48 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
             bar.close()
         stop.restore()
     return TrainResult(step=step, stopped_by=stopped_by)
+
+
+class BatchPrefetch:
+    """``make(step)`` for each of ``steps``, run in a thread up to ``depth`` steps ahead of the
+    training loop (`DataConfig.device_prefetch`): reading, packing, the transfer to the devices
+    and the rows' schedule overlap the steps before, as MaxText's and Flax's device prefetch
+    do. An error in the thread is raised by the `get` that would have returned that step."""
+
+    def __init__(self, make, steps, depth: int = 2):
+        self._queue: queue.Queue = queue.Queue(maxsize=max(depth, 1))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(make, steps), name="lwm-batches", daemon=True
+        )
+        self._thread.start()
+
+    def _put(self, item) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(self, make, steps) -> None:
+        try:
+            for step in steps:
+                if not self._put((make(step), None)):
+                    return
+        except BaseException as e:  # noqa: BLE001  (handed to the training loop)
+            self._put((None, e))
+
+    def get(self):
+        item, error = self._queue.get()
+        if error is not None:
+            raise error
+        return item
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
 
 
 def _many_processes() -> bool:

@@ -679,3 +679,31 @@ def test_a_step_too_large_for_the_devices_is_one_line_naming_the_sizes(xla_text,
     assert message.startswith("the train step of 1 x 131072 tokens does not fit")
     assert sizes in message and "train.seq_len" in message
     assert out_of_memory(RuntimeError("INVALID_ARGUMENT: shapes differ"), 1, 8) is None
+
+
+def test_batch_prefetch_keeps_order_and_hands_errors_to_the_step_that_needed_them():
+    import threading
+
+    from lwm.train import BatchPrefetch
+
+    made = []
+
+    def make(step):
+        if step == 5:
+            raise ValueError("step 5's batch is broken")
+        made.append(step)
+        return step * 10
+
+    batches = BatchPrefetch(make, range(1, 9), depth=2)
+    assert [batches.get() for _ in range(4)] == [10, 20, 30, 40]
+    with pytest.raises(ValueError, match="step 5's batch is broken"):
+        batches.get()
+    batches.close()
+    assert made == [1, 2, 3, 4]
+
+    # a loop that stops early (SIGTERM) leaves no thread behind, however far ahead it was
+    started = threading.active_count()
+    batches = BatchPrefetch(lambda step: step, range(10**6), depth=3)
+    assert batches.get() == 0
+    batches.close()
+    assert threading.active_count() == started
