@@ -162,12 +162,27 @@ def main() -> int:
         help="dp,fsdp,sp,tp of the world model (default 1,1,2,1 on a cpu; 1,1,1,1 on a chip)",
     )
     p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override for both stages of the world model's training, after the "
+        "demo's own (repeatable; e.g. model.matmul_precision=highest)",
+    )
+    p.add_argument(
         "--videos-only",
         action="store_true",
         help="make the videos (step 1) and stop: what a machine without PyAV, which writes "
         "them, is given with the rest (a wheel of it)",
     )
     args = p.parse_args()
+    if args.set:  # a wrong key is said now, not after the videos and the VQGAN
+        from lwm.config import ConfigError, load_config
+
+        try:
+            load_config("configs/demo.yaml", args.set)
+        except ConfigError as e:
+            p.error(f"--set: {e}")
     if args.mesh is None:
         args.mesh = "1,1,2,1" if args.platform == "cpu" else "1,1,1,1"
 
@@ -256,7 +271,8 @@ def main() -> int:
             + [f"data.source={shape_tokens}", f"train.output_dir={shapes}"]
             + [f"train.steps={args.shapes_first_steps}", f"mesh.shape={args.mesh}"]
             + [f"train.optimizer={args.optimizer}", f"data.qa_turns={qa_turns}"]
-            + tight_rows(shape_tokens, args.mesh),
+            + tight_rows(shape_tokens, args.mesh)
+            + args.set,
             env=env,
         )
         first_stage = [f"train.init_from=run:{shapes}"]
@@ -274,6 +290,7 @@ def main() -> int:
             f"eval.every={args.eval_every or args.lm_steps}",
             *first_stage,
             *tight_rows(tokens, args.mesh),
+            *args.set,
         ],
         env=env,
     )

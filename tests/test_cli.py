@@ -606,6 +606,19 @@ def test_the_demo_rerun_with_other_videos_into_its_folder_is_refused(tmp_path) -
     )
 
 
+def test_the_demo_names_a_wrong_set_key_before_making_anything(tmp_path) -> None:
+    out = tmp_path / "demo"
+    result = subprocess.run(
+        [sys.executable, "recipes/demo.py", "--out", str(out), "--set", "model.remat=none"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.splitlines()[-1].startswith(
+        "demo.py: error: --set: unknown config key 'model.remat'; valid keys in 'model': "
+    )
+    assert not out.exists()
+
+
 def test_lwm_traceback_shows_where_an_input_error_came_from() -> None:
     """`LWM_TRACEBACK=1` raises what would be one line (a script takes any ValueError for bad
     input: a fault of its own would otherwise lose its traceback)."""
