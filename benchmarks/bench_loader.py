@@ -6,6 +6,11 @@ the GIL as an XLA step does).
 
     python benchmarks/bench_loader.py                       # seq_len 1024 and 32768, batch 8
     python benchmarks/bench_loader.py --seq-lens 1024 --batches 200 --step-ms 50
+    python benchmarks/bench_loader.py --seq-lens 832 --batch 4 --step-ms 18 --device-prefetch 2
+
+``--device-prefetch N`` adds two readers that also move each batch to the default device, as
+`lwm train` does: grain with the transfer in the loop, and grain behind `lwm.train.BatchPrefetch`
+(reading, packing and the transfer in a thread, ``N`` steps ahead).
 
 The dataset is made once, untimed, in ``--work`` (default: a temporary folder): records of
 token streams with lengths drawn from ``--min-len``..``--max-len`` (the demo's records are
@@ -69,33 +74,57 @@ def measure(
     threads: int,
     prefetch: int,
     step_s: float,
+    transfer: bool = False,
+    device_prefetch: int = 0,
 ) -> dict:
+    import jax
+
     from data.loader import TokenDatasetLoader
+    from lwm.train import BatchPrefetch
 
     loader = TokenDatasetLoader(
         path, batch_size=batch, seq_len=seq_len, read_threads=threads, prefetch=prefetch
     )
-    next(loader)  # plans the epoch and starts grain's threads: not timed
+    device = jax.devices()[0]
+
+    def take(_step=None):
+        local = next(loader)
+        if not transfer:
+            return local
+        return jax.block_until_ready(jax.device_put(local, device)), loader.state()
+
+    take()  # plans the epoch and starts grain's threads: not timed
     t0 = time.perf_counter()
     for _ in range(batches):
-        next(loader)
+        take()
     alone = time.perf_counter() - t0
+    ahead = BatchPrefetch(take, range(batches), depth=device_prefetch) if device_prefetch else None
     waits = []
     for _ in range(batches):
         t = time.perf_counter()
-        next(loader)
+        ahead.get() if ahead else take()
         waits.append(time.perf_counter() - t)
+        if ahead:
+            ahead.taken()  # the step is dispatched
         time.sleep(step_s)  # the step
+    if ahead:
+        ahead.close()
     wait = float(np.mean(waits))
+    reader = f"grain, {threads} threads, {prefetch} ahead" if threads else "plain (no grain)"
+    if device_prefetch:
+        reader += f", on the device {device_prefetch} steps ahead in a thread"
+    elif transfer:
+        reader += ", to the device in the loop"
     return {
         "bench": "loader",
-        "reader": f"grain, {threads} threads, {prefetch} ahead" if threads else "plain (no grain)",
+        "reader": reader,
         "seq_len": seq_len,
         "batch_size": batch,
         "batches_per_s": batches / alone,
         "tokens_per_s": batches * batch * seq_len / alone,
         "step_ms": 1e3 * step_s,
         "data_wait_ms": 1e3 * wait,
+        "data_wait_median_ms": 1e3 * float(np.median(waits)),
         "data_wait_share": wait / (wait + step_s),
     }
 
@@ -111,11 +140,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-len", type=int, default=256, help="shortest document, in tokens")
     p.add_argument("--max-len", type=int, default=4096, help="longest document, in tokens")
     p.add_argument("--work", help="folder for the dataset (default: temporary)")
+    p.add_argument(
+        "--device-prefetch",
+        type=int,
+        default=0,
+        help="also measure grain with each batch moved to the device, in the loop and N steps "
+        "ahead in lwm train's thread (0: not)",
+    )
     args = p.parse_args(argv)
     if min(args.batch, args.batches, args.prefetch, args.min_len) < 1 or args.threads < 0:
         raise ValueError(
             "--batch, --batches, --prefetch and --min-len must be at least 1, --threads 0"
         )
+    if args.device_prefetch < 0:
+        raise ValueError(f"--device-prefetch {args.device_prefetch} is negative")
     if args.min_len > args.max_len:
         raise ValueError(f"--min-len {args.min_len} is more than --max-len {args.max_len}")
 
@@ -124,11 +162,14 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(args.work or tmp)
         for seq_len in seq_lens:
             # every measured batch (2 x batches, + 1 untimed, per reader) from one epoch
-            tokens = 2 * (2 * args.batches + 1) * args.batch * seq_len
+            tokens = 4 * (2 * args.batches + 1) * args.batch * seq_len
             path = work / f"tokens-{seq_len}"
             if not path.exists():
                 make_dataset(path, tokens, args.min_len, args.max_len)
-            for threads in (0, args.threads):
+            readers = [(0, False, 0), (args.threads, False, 0)]
+            if args.device_prefetch:
+                readers += [(args.threads, True, 0), (args.threads, True, args.device_prefetch)]
+            for threads, transfer, ahead in readers:
                 row = measure(
                     path,
                     seq_len=seq_len,
@@ -137,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
                     threads=threads,
                     prefetch=args.prefetch,
                     step_s=args.step_ms / 1e3,
+                    transfer=transfer,
+                    device_prefetch=ahead,
                 )
                 print(json.dumps(row), flush=True)
     return 0

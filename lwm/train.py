@@ -364,6 +364,7 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
                 if (message := out_of_memory(e, tc.batch_size, seq_len)) is None:
                     raise
                 raise TrainingError(message) from None
+            batches.taken()
             pending.append((step, metrics, waited, rows))
             check(step - 1)  # the previous step, so this one keeps running meanwhile
             if bar is not None:
@@ -418,38 +419,41 @@ class BatchPrefetch:
     """``make(step)`` for each of ``steps``, run in a thread up to ``depth`` steps ahead of the
     training loop (`DataConfig.device_prefetch`): reading, packing, the transfer to the devices
     and the rows' schedule overlap the steps before, as MaxText's and Flax's device prefetch
-    do. An error in the thread is raised by the `get` that would have returned that step."""
+    do. The loop calls `taken` once it has dispatched the step of a batch it got: only then is
+    the next batch made, so that the thread's Python does not hold the interpreter while the
+    loop dispatches. An error in the thread is raised by the `get` that would have returned
+    that step."""
 
     def __init__(self, make, steps, depth: int = 2):
-        self._queue: queue.Queue = queue.Queue(maxsize=max(depth, 1))
+        self._queue: queue.Queue = queue.Queue()
+        self._slots = threading.Semaphore(max(depth, 1))
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._run, args=(make, steps), name="lwm-batches", daemon=True
         )
         self._thread.start()
 
-    def _put(self, item) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
     def _run(self, make, steps) -> None:
         try:
             for step in steps:
-                if not self._put((make(step), None)):
+                while not self._slots.acquire(timeout=0.1):
+                    if self._stop.is_set():
+                        return
+                if self._stop.is_set():
                     return
+                self._queue.put((make(step), None))
         except BaseException as e:  # noqa: BLE001  (handed to the training loop)
-            self._put((None, e))
+            self._queue.put((None, e))
 
     def get(self):
         item, error = self._queue.get()
         if error is not None:
             raise error
         return item
+
+    def taken(self) -> None:
+        """The step of the batch last got is dispatched: its slot may be refilled."""
+        self._slots.release()
 
     def close(self) -> None:
         self._stop.set()

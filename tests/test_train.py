@@ -695,7 +695,11 @@ def test_batch_prefetch_keeps_order_and_hands_errors_to_the_step_that_needed_the
         return step * 10
 
     batches = BatchPrefetch(make, range(1, 9), depth=2)
-    assert [batches.get() for _ in range(4)] == [10, 20, 30, 40]
+    got = []
+    for _ in range(4):
+        got.append(batches.get())
+        batches.taken()
+    assert got == [10, 20, 30, 40]
     with pytest.raises(ValueError, match="step 5's batch is broken"):
         batches.get()
     batches.close()
@@ -705,5 +709,6 @@ def test_batch_prefetch_keeps_order_and_hands_errors_to_the_step_that_needed_the
     started = threading.active_count()
     batches = BatchPrefetch(lambda step: step, range(10**6), depth=3)
     assert batches.get() == 0
+    batches.taken()
     batches.close()
     assert threading.active_count() == started
