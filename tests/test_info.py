@@ -182,3 +182,25 @@ def test_info_says_what_parameters_and_adamw_leave_of_a_chip() -> None:
             f"{(chip - state) / 2**30:.2f} GiB left for activations"
         ).split()
     )
+
+
+def test_info_counts_an_optimizer_state_on_the_host_out_of_the_chip() -> None:
+    """`train.offload_optimizer`: AdamW's moments are listed as host memory and the chip's line
+    counts the parameters alone."""
+    from lwm.commands.info import format_info
+    from lwm.info import param_counts
+
+    cfg = load_config("configs/tiny.yaml", ["train.offload_optimizer=true"])
+    params = param_counts(cfg.model).total * 4
+    chip = 16 * 2**30
+    report = format_info(cfg, "tiny", {"dp": 1, "fsdp": 1, "sp": 1, "tp": 1}, 1, chip)
+    lines = report.splitlines()
+    assert lines[-3].split()[:4] == ["AdamW", "state", "(host", "memory)"]
+    assert lines[-2].split() == ["total", "on", "the", "device", f"{params / 2**30:.2f}", "GiB"]
+    assert (
+        lines[-1].split()
+        == (
+            f"device memory 16.00 GiB: parameters take {params / chip:.0%}, "
+            f"{(chip - params) / 2**30:.2f} GiB left for activations"
+        ).split()
+    )

@@ -81,12 +81,12 @@ def device_memory() -> int | None:
     return stats.get("bytes_limit")
 
 
-def capacity_line(state: int, capacity: int) -> str:
-    """What ``state`` bytes (parameters and optimizer state) take of one device's memory of
-    ``capacity`` bytes; the rest is for activations and temporaries (which `lwm train` and
-    `tools/aot_compile.py` measure)."""
+def capacity_line(state: int, capacity: int, what: str = "parameters and optimizer state") -> str:
+    """What ``state`` bytes (``what``) take of one device's memory of ``capacity`` bytes; the
+    rest is for activations and temporaries (which `lwm train` and `tools/aot_compile.py`
+    measure)."""
     return (
-        f"  {'device memory':<28} {capacity / GIB:8.2f} GiB: parameters and optimizer state "
+        f"  {'device memory':<{LABEL}} {capacity / GIB:8.2f} GiB: {what} "
         f"take {state / capacity:.0%}, {max(capacity - state, 0) / GIB:.2f} GiB left for "
         "activations"
     )
@@ -130,6 +130,9 @@ def format_info(
     flops = flops_per_token(model)
     memory = memory_per_device(model, axis_sizes, config.train.optimizer)
     mesh_text = " ".join(f"{axis}={axis_sizes[axis]}" for axis in MESH_AXES)
+    # train.offload_optimizer: the optimizer state lives in the host's memory between steps
+    host_optimizer = config.train.offload_optimizer
+    on_device = memory.params + (0 if host_optimizer else memory.optimizer)
     rows = [
         f"# {source}",
         config_to_yaml(config).rstrip(),
@@ -144,20 +147,25 @@ def format_info(
         f"per device on mesh {mesh_text} ({num_devices} device{'s' * (num_devices != 1)}):",
         _gib_row(f"parameters ({model.param_dtype})", memory.params),
         _gib_row(
-            "AdamW state (2 x float32)"
-            if config.train.optimizer == "adamw"
-            else "Muon + AdamW state (float32)",
+            ("AdamW state" if config.train.optimizer == "adamw" else "Muon + AdamW state")
+            + (" (host memory)" if host_optimizer else " (float32)")
+            if config.train.optimizer != "adamw" or host_optimizer
+            else "AdamW state (2 x float32)",
             memory.optimizer,
         ),
-        _gib_row("total", memory.params + memory.optimizer),
+        _gib_row("total on the device" if host_optimizer else "total", on_device),
     ]
     if capacity is not None:
-        rows.append(capacity_line(memory.params + memory.optimizer, capacity))
+        what = "parameters" if host_optimizer else "parameters and optimizer state"
+        rows.append(capacity_line(on_device, capacity, what))
     return "\n".join(rows)
 
 
+LABEL = 32  # the width of the memory rows' labels
+
+
 def _gib_row(label: str, nbytes: int) -> str:
-    return f"  {label:<28} {nbytes / GIB:8.2f} GiB"
+    return f"  {label:<{LABEL}} {nbytes / GIB:8.2f} GiB"
 
 
 def _short(n: int) -> str:
