@@ -651,6 +651,7 @@ RATIOS = (
     ("ours-blockwise", "splash"),
     ("ours-hm", "splash"),
     ("ours", "splash-seq"),
+    ("ours-blockwise", "splash-seq"),
     ("ours", "flash"),
     ("ours", "ringattention"),
     ("ours-cudnn", "cudnn"),
