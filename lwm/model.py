@@ -378,13 +378,11 @@ class LWMModel(nnx.Module):
         b, s, d = h.shape
         if s % chunks:
             raise ValueError(f"sequence length {s} is not divisible into {chunks} MLP chunks")
-        if self.sequence_shards == 1:
-            hc = jnp.moveaxis(h.reshape(b, chunks, s // chunks, d), 1, 0)
-            out = jax.lax.map(jax.checkpoint(swiglu), hc)
-            return jnp.moveaxis(out, 0, 1).reshape(b, s, d)
-        hc = h.reshape(b, s // chunks, chunks, d)
-        out = jax.lax.map(jax.checkpoint(swiglu), jnp.moveaxis(hc, 2, 0))
-        return jnp.moveaxis(out, 0, 2).reshape(b, s, d)
+        contiguous = self.sequence_shards == 1
+        axis = 1 if contiguous else 2  # the chunks' axis of the split sequence
+        split = (b, chunks, s // chunks, d) if contiguous else (b, s // chunks, chunks, d)
+        out = jax.lax.map(jax.checkpoint(swiglu), jnp.moveaxis(h.reshape(split), axis, 0))
+        return jnp.moveaxis(out, 0, axis).reshape(b, s, d)
 
     # -- forward ----------------------------------------------------------------------------
 

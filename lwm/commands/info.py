@@ -133,6 +133,9 @@ def format_info(
     # train.offload_optimizer: the optimizer state lives in the host's memory between steps
     host_optimizer = config.train.offload_optimizer
     on_device = memory.params + (0 if host_optimizer else memory.optimizer)
+    adamw = config.train.optimizer == "adamw"
+    state = "AdamW state" if adamw else "Muon + AdamW state"
+    where = "host memory" if host_optimizer else ("2 x float32" if adamw else "float32")
     rows = [
         f"# {source}",
         config_to_yaml(config).rstrip(),
@@ -146,13 +149,7 @@ def format_info(
         f"  inference (2N)             {flops.inference:.3e}",
         f"per device on mesh {mesh_text} ({num_devices} device{'s' * (num_devices != 1)}):",
         _gib_row(f"parameters ({model.param_dtype})", memory.params),
-        _gib_row(
-            ("AdamW state" if config.train.optimizer == "adamw" else "Muon + AdamW state")
-            + (" (host memory)" if host_optimizer else " (float32)")
-            if config.train.optimizer != "adamw" or host_optimizer
-            else "AdamW state (2 x float32)",
-            memory.optimizer,
-        ),
+        _gib_row(f"{state} ({where})", memory.optimizer),
         _gib_row("total on the device" if host_optimizer else "total", on_device),
     ]
     if capacity is not None:
