@@ -238,6 +238,11 @@ class TrainConfig(BaseModel):
     async_save: bool = True
     peak_flops: Literal["auto"] | PositiveFloat = "auto"  # per device, for MFU
     progress: bool = True
+    # A trace of `profile_steps` steps from step `profile_start` (jax.profiler: the devices'
+    # kernels and the host's threads) in OUTPUT/profile, for TensorBoard's profile plugin or
+    # Perfetto (its perfetto_trace.json.gz); 0 steps = none
+    profile_start: PositiveInt = 5
+    profile_steps: Annotated[int, Field(ge=0)] = 0
 
     @model_validator(mode="after")
     def _check_optimizer(self) -> TrainConfig:

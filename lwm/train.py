@@ -17,6 +17,7 @@ order (``rows_*``, `lwm.model.ROW_ORDERS`: each order runs a step compiled for i
 
 from __future__ import annotations
 
+import functools
 import math
 import queue
 import sys
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -246,6 +248,7 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
             )
         return steps[rows, reach]
 
+    host_schedule = on_host_cpu(schedule)
     tokens_per_step = tc.batch_size * seq_len
     per_token = flops_per_token(model_cfg, seq_len)
     model_flops = per_token.train * tokens_per_step
@@ -270,21 +273,22 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
     bsharding = batch_sharding(mesh)
     global_shape = (tc.batch_size, seq_len)
     # dispatched steps whose metrics are not yet checked, with the time each waited for its
-    # batch and its rows' order
-    pending: list[tuple[int, dict, float, str | None]] = []
+    # batch, the time that batch took to make, and its rows' order
+    pending: list[tuple[int, dict, float, float, str | None]] = []
     last_good_save = resumed[0] if resumed is not None else None
     # the steps fetched since the last logged line: their time, data waits and rows' orders
-    window = {"t": time.perf_counter(), "wait": 0.0, "checked": 0, "rows": []}
+    window = {"t": time.perf_counter(), "wait": 0.0, "made": 0.0, "checked": 0, "rows": []}
 
     def check(upto: int) -> None:
         """Fetch metrics of dispatched steps <= upto; stop on a non-finite loss; log."""
         nonlocal pending
         while pending and pending[0][0] <= upto:
-            step, metrics, waited, rows = pending.pop(0)
+            step, (keys, packed), waited, made, rows = pending.pop(0)
             window["wait"] += waited
+            window["made"] += made
             window["checked"] += 1
             window["rows"].append(rows)
-            host = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            host = dict(zip(keys, jax.device_get(packed).tolist(), strict=True))
             if not math.isfinite(host["loss"]):
                 where = (
                     f"checkpoint {last_good_save}"
@@ -308,16 +312,19 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
                 # than that when the line before was logged while its next step ran)
                 dt = (now - window["t"]) / max(window["checked"], 1)
                 wait = window["wait"] / max(window["checked"], 1)  # of the steps logged
+                made = window["made"] / max(window["checked"], 1)
                 if on_host:  # the share of the steps logged whose rows had each order
                     seen = window["rows"]
                     host.update({f"rows_{o}": seen.count(o) / len(seen) for o in orders})
-                window.update(t=now, wait=0.0, checked=0, rows=[])
+                window.update(t=now, wait=0.0, made=0.0, checked=0, rows=[])
                 host.update(
-                    learning_rate=float(schedule(step - 1)),
+                    learning_rate=host_schedule(step - 1),
                     step_time_s=dt,
                     # the host's time to read, pack and hand over a batch, per step
                     data_wait_s=wait,
                     data_wait_share=wait / dt,
+                    # the loader thread's time to read, pack and move a batch (`BatchPrefetch`)
+                    data_make_s=made,
                     tokens_per_s=tokens_per_step / dt,
                     mfu=model_flops / dt / peak_total,
                 )
@@ -331,10 +338,15 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
         """Batch ``step`` on the devices, its rows' schedule and the loader's state after it
         (what a checkpoint of that step keeps): made in `BatchPrefetch`'s thread."""
         local = next(loader)
-        batch = {
-            k: jax.make_array_from_process_local_data(bsharding, v, (*global_shape, *v.shape[2:]))
-            for k, v in local.items()
-        }
+        if jax.process_count() == 1:  # every array in one transfer
+            batch = jax.device_put(local, bsharding)
+        else:
+            batch = {
+                k: jax.make_array_from_process_local_data(
+                    bsharding, v, (*global_shape, *v.shape[2:])
+                )
+                for k, v in local.items()
+            }
         rows, reach = None, 0
         if on_host or planned:
             positions, segments = local["positions"], local["segment_ids"]
@@ -353,8 +365,13 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
     batches = BatchPrefetch(
         next_batch, range(start + 1, tc.steps + 1), depth=cfg.data.device_prefetch
     )
+    profile = range(tc.profile_start, tc.profile_start + tc.profile_steps)
+    tracing = False
     try:
         for step in range(start + 1, tc.steps + 1):
+            if step in profile and not tracing and primary:
+                jax.profiler.start_trace(str(output / "profile"), create_perfetto_trace=True)
+                tracing = True
             t_data = time.perf_counter()
             batch, rows, reach, loader_state = batches.get()
             waited = time.perf_counter() - t_data
@@ -365,10 +382,15 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
                     raise
                 raise TrainingError(message) from None
             batches.taken()
-            pending.append((step, metrics, waited, rows))
+            pending.append((step, packed_metrics(metrics), waited, batches.made_s, rows))
             check(step - 1)  # the previous step, so this one keeps running meanwhile
             if bar is not None:
                 bar.update(1)
+            if tracing and step == profile[-1]:
+                check(step)
+                jax.profiler.stop_trace()
+                tracing = False
+                log(f"profile of steps {profile[0]}-{step} in {output / 'profile'}")
             save_now = step % tc.save_every == 0 or step == tc.steps
             if stop.received is not None or save_now:
                 check(step)
@@ -405,6 +427,8 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
                 break
         check(step)
     finally:
+        if tracing:
+            jax.profiler.stop_trace()
         batches.close()
         manager.wait_until_finished()
         manager.close()
@@ -415,6 +439,30 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
     return TrainResult(step=step, stopped_by=stopped_by)
 
 
+def on_host_cpu(schedule):
+    """``step -> float``: the learning rate of ``schedule`` (an optax schedule, written with
+    jax.numpy) computed on the host's CPU, not as a dozen small programs on the accelerator."""
+    cpu = jax.local_devices(backend="cpu")[0]
+
+    def rate(step: int) -> float:
+        with jax.default_device(cpu):
+            return float(schedule(step))
+
+    return rate
+
+
+@functools.cache
+def _stacker(keys: tuple[str, ...]):
+    return jax.jit(lambda m: jnp.stack([m[k].astype(jnp.float32) for k in keys]))
+
+
+def packed_metrics(metrics: dict) -> tuple[tuple[str, ...], jax.Array]:
+    """A step's scalar ``metrics`` as their names and one float32 vector on the devices, so
+    that the host fetches them in one transfer instead of one per metric."""
+    keys = tuple(sorted(metrics))
+    return keys, _stacker(keys)(metrics)
+
+
 class BatchPrefetch:
     """``make(step)`` for each of ``steps``, run in a thread up to ``depth`` steps ahead of the
     training loop (`DataConfig.device_prefetch`): reading, packing, the transfer to the devices
@@ -422,9 +470,11 @@ class BatchPrefetch:
     do. The loop calls `taken` once it has dispatched the step of a batch it got: only then is
     the next batch made, so that the thread's Python does not hold the interpreter while the
     loop dispatches. An error in the thread is raised by the `get` that would have returned
-    that step."""
+    that step. `made_s` is the thread's time to make the batch last got: where it is longer
+    than a step, the loader sets the pace."""
 
     def __init__(self, make, steps, depth: int = 2):
+        self.made_s = 0.0
         self._queue: queue.Queue = queue.Queue()
         self._slots = threading.Semaphore(max(depth, 1))
         self._stop = threading.Event()
@@ -441,12 +491,14 @@ class BatchPrefetch:
                         return
                 if self._stop.is_set():
                     return
-                self._queue.put((make(step), None))
+                t = time.perf_counter()
+                item = make(step)
+                self._queue.put((item, time.perf_counter() - t, None))
         except BaseException as e:  # noqa: BLE001  (handed to the training loop)
-            self._queue.put((None, e))
+            self._queue.put((None, 0.0, e))
 
     def get(self):
-        item, error = self._queue.get()
+        item, self.made_s, error = self._queue.get()
         if error is not None:
             raise error
         return item

@@ -124,10 +124,12 @@ def test_loss_falls_with_ring_attention_on_two_meshes(reference, tmp_path):
         "tokens_per_s",
         "step_time_s",
         "data_wait_s",
+        "data_make_s",
         "mfu",
     ):
         assert np.isfinite(record[key]), key
     assert 0 < record["data_wait_s"] < record["step_time_s"]
+    assert record["data_make_s"] > 0
     assert record["data_wait_share"] == pytest.approx(record["data_wait_s"] / record["step_time_s"])
     assert (tmp_path / "tensorboard").is_dir() and (tmp_path / "config.yaml").is_file()
 
@@ -149,7 +151,7 @@ def test_step_time_is_the_mean_of_the_steps_each_logged_window_holds(tmp_path, m
     real_get = jax.device_get
 
     def device_get(x):
-        if isinstance(x, dict) and "loss" in x:  # a step's metrics: that step has finished
+        if isinstance(x, jax.Array) and x.ndim == 1:  # a step's metrics: that step has finished
             clock[0] += 1.0
         return real_get(x)
 
@@ -322,6 +324,57 @@ def test_kill_9_then_rerun_matches_uninterrupted(reference, tmp_path, kill_after
     for step in range(1, 13):
         assert got[step] == reference[step], (step, got[step], reference[step])
     print(f"killed after step {kill_after}: resumed from checkpoint {complete[-1]}")
+
+
+def test_profiled_run_writes_a_trace_of_its_steps_and_trains_the_same(reference, tmp_path):
+    """`train.profile_steps`: a trace (jax.profiler's Perfetto file) holding the train step's
+    runs of the profiled steps, and the same losses as the unprofiled reference."""
+    import gzip
+
+    r = lwm_train_here(
+        tmp_path,
+        "train.steps=12",
+        "train.save_every=3",
+        "mesh.shape=1,2,2,2",
+        "train.profile_start=4",
+        "train.profile_steps=3",
+    )
+    assert r.returncode == 0, r.stderr
+    assert f"profile of steps 4-6 in {tmp_path / 'profile'}" in r.stderr
+    (trace,) = (tmp_path / "profile").rglob("perfetto_trace.json.gz")
+    events = json.loads(gzip.decompress(trace.read_bytes()))
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    runs = sorted(e["ts"] for e in events if e.get("name") == "PjitFunction(train_step)")
+    starts = [t for i, t in enumerate(runs) if i == 0 or t - runs[i - 1] > 1000]  # µs: one each
+    assert len(starts) == 3, runs
+    assert losses(tmp_path) == reference
+
+
+def test_metrics_come_back_in_one_transfer_and_the_rate_from_the_host_cpu():
+    """The loop's two host-side shortcuts give the values they replace: each metric under its
+    own name (sorted, cast to float32 on the devices), and the schedule's learning rate."""
+    import jax.numpy as jnp
+
+    from lwm.config import TrainConfig
+    from lwm.train import on_host_cpu, packed_metrics
+    from lwm.train_step import optimizer_from_config
+
+    metrics = {
+        "loss": jnp.float32(2.5),
+        "text_tokens": jnp.int32(7),
+        "grad_norm": jnp.float32(0.25),
+    }
+    keys, packed = packed_metrics(metrics)
+    assert keys == ("grad_norm", "loss", "text_tokens")
+    assert dict(zip(keys, np.asarray(packed).tolist(), strict=True)) == {
+        "grad_norm": 0.25,
+        "loss": 2.5,
+        "text_tokens": 7.0,
+    }
+    _, schedule = optimizer_from_config(TrainConfig(steps=50, warmup_steps=10))
+    rate = on_host_cpu(schedule)
+    assert [rate(s) for s in (0, 5, 10, 30, 49)] == [float(schedule(s)) for s in (0, 5, 10, 30, 49)]
+    assert rate(5) < rate(10) > rate(49)
 
 
 def test_damaged_latest_checkpoint_falls_back(tmp_path):
