@@ -7,10 +7,14 @@ the GIL as an XLA step does).
     python benchmarks/bench_loader.py                       # seq_len 1024 and 32768, batch 8
     python benchmarks/bench_loader.py --seq-lens 1024 --batches 200 --step-ms 50
     python benchmarks/bench_loader.py --seq-lens 832 --batch 4 --step-ms 18 --device-prefetch 2
+    python benchmarks/bench_loader.py --seq-lens 832 --batch 4 --step-ms 10 --step-python-ms 6 \
+        --device-prefetch 2 --read-processes 2
 
 ``--device-prefetch N`` adds two readers that also move each batch to the default device, as
 `lwm train` does: grain with the transfer in the loop, and grain behind `lwm.train.BatchPrefetch`
-(reading, packing and the transfer in a thread, ``N`` steps ahead).
+(reading, packing and the transfer in a thread, ``N`` steps ahead); ``--read-processes P`` a
+third, that one with reading and packing in ``P`` worker processes. ``--step-python-ms`` spends
+part of each step in Python, as a training loop does between steps on a fast chip.
 
 The dataset is made once, untimed, in ``--work`` (default: a temporary folder): records of
 token streams with lengths drawn from ``--min-len``..``--max-len`` (the demo's records are
@@ -76,6 +80,8 @@ def measure(
     step_s: float,
     transfer: bool = False,
     device_prefetch: int = 0,
+    processes: int = 0,
+    step_python_s: float = 0.0,
 ) -> dict:
     import jax
 
@@ -83,7 +89,12 @@ def measure(
     from lwm.train import BatchPrefetch
 
     loader = TokenDatasetLoader(
-        path, batch_size=batch, seq_len=seq_len, read_threads=threads, prefetch=prefetch
+        path,
+        batch_size=batch,
+        seq_len=seq_len,
+        read_threads=threads,
+        prefetch=prefetch,
+        read_processes=processes,
     )
     device = jax.devices()[0]
 
@@ -106,11 +117,17 @@ def measure(
         waits.append(time.perf_counter() - t)
         if ahead:
             ahead.taken()  # the step is dispatched
-        time.sleep(step_s)  # the step
+        busy_until = time.perf_counter() + step_python_s
+        while time.perf_counter() < busy_until:  # the loop's Python, holding the GIL
+            pass
+        time.sleep(step_s - step_python_s)  # the step
     if ahead:
         ahead.close()
+    loader.close()
     wait = float(np.mean(waits))
     reader = f"grain, {threads} threads, {prefetch} ahead" if threads else "plain (no grain)"
+    if processes:
+        reader = f"grain, {processes} worker processes of {max(threads, 1)} threads"
     if device_prefetch:
         reader += f", on the device {device_prefetch} steps ahead in a thread"
     elif transfer:
@@ -123,6 +140,7 @@ def measure(
         "batches_per_s": batches / alone,
         "tokens_per_s": batches * batch * seq_len / alone,
         "step_ms": 1e3 * step_s,
+        "step_python_ms": 1e3 * step_python_s,
         "data_wait_ms": 1e3 * wait,
         "data_wait_median_ms": 1e3 * float(np.median(waits)),
         "data_wait_share": wait / (wait + step_s),
@@ -147,7 +165,25 @@ def main(argv: list[str] | None = None) -> int:
         help="also measure grain with each batch moved to the device, in the loop and N steps "
         "ahead in lwm train's thread (0: not)",
     )
+    p.add_argument(
+        "--step-python-ms",
+        type=float,
+        default=0.0,
+        help="of each simulated step, this much spent in Python holding the interpreter lock "
+        "(the training loop's own work on a fast chip), the rest asleep",
+    )
+    p.add_argument(
+        "--read-processes",
+        type=int,
+        default=0,
+        help="with --device-prefetch, also grain in N worker processes (lwm train's "
+        "data.read_processes), on the device ahead in the thread (0: not)",
+    )
     args = p.parse_args(argv)
+    if not 0 <= args.step_python_ms <= args.step_ms:
+        raise ValueError(f"--step-python-ms {args.step_python_ms} is not in [0, --step-ms]")
+    if args.read_processes < 0:
+        raise ValueError(f"--read-processes {args.read_processes} is negative")
     if min(args.batch, args.batches, args.prefetch, args.min_len) < 1 or args.threads < 0:
         raise ValueError(
             "--batch, --batches, --prefetch and --min-len must be at least 1, --threads 0"
@@ -166,10 +202,15 @@ def main(argv: list[str] | None = None) -> int:
             path = work / f"tokens-{seq_len}"
             if not path.exists():
                 make_dataset(path, tokens, args.min_len, args.max_len)
-            readers = [(0, False, 0), (args.threads, False, 0)]
+            readers = [(0, False, 0, 0), (args.threads, False, 0, 0)]
             if args.device_prefetch:
-                readers += [(args.threads, True, 0), (args.threads, True, args.device_prefetch)]
-            for threads, transfer, ahead in readers:
+                readers += [
+                    (args.threads, True, 0, 0),
+                    (args.threads, True, args.device_prefetch, 0),
+                ]
+                if args.read_processes:
+                    readers.append((args.threads, True, args.device_prefetch, args.read_processes))
+            for threads, transfer, ahead, processes in readers:
                 row = measure(
                     path,
                     seq_len=seq_len,
@@ -180,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
                     step_s=args.step_ms / 1e3,
                     transfer=transfer,
                     device_prefetch=ahead,
+                    processes=processes,
+                    step_python_s=args.step_python_ms / 1e3,
                 )
                 print(json.dumps(row), flush=True)
     return 0

@@ -125,6 +125,10 @@ class Loader(Protocol):
 
     def restore(self, state: dict[str, Any]) -> None: ...
 
+    def close(self) -> None:
+        """Stop any reading ahead (threads, processes)."""
+        ...
+
 
 def make_training_batch(
     tokens: np.ndarray,
@@ -220,6 +224,9 @@ class SyntheticTokenLoader:
         if state.get("kind") != "synthetic" or state.get("seed") != self.seed:
             raise ValueError(f"loader state {state} does not belong to this synthetic loader")
         self.step = int(state["step"])
+
+    def close(self) -> None:  # nothing is read ahead
+        pass
 
     def __iter__(self) -> SyntheticTokenLoader:
         return self

@@ -34,6 +34,9 @@ Reading runs on grain (`grain.MapDataset` -> `IterDataset`): global batch ``g`` 
 all epochs) is one element, made by a pure function of ``g`` from the plan, and ``read_threads``
 background threads read and pack the next ``prefetch`` batches while the step runs
 (``read_threads=0``: each batch is read when asked for, in the caller's thread, without grain).
+With ``read_processes`` > 0 that work runs in as many worker processes (grain's
+``mp_prefetch``, batches in order), so that it does not share the interpreter lock of the
+process that trains.
 
 The state is grain's iterator state (the next global batch) with ``{epoch, batch}`` and what
 checks that it belongs to this dataset: identical on every host, JSON-serialisable, and a
@@ -46,6 +49,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -129,6 +133,19 @@ def plan_epoch(order: np.ndarray, lengths: np.ndarray, seq_len: int, pack: bool)
     return PackingPlan(example, start, length, offsets)
 
 
+def _exit_with_parent(_index: int, _count: int) -> None:
+    """In each worker process (`read_processes`): end it once the training process is gone,
+    as after a kill -9, instead of leaving it waiting to hand over its next batch."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="lwm-parent-watch", daemon=True).start()
+
+
 class TokenDatasetLoader:
     """This host's share of each global batch of an `lwm tokenize` dataset (module docstring)."""
 
@@ -147,6 +164,7 @@ class TokenDatasetLoader:
         window: WindowSpec | None = None,
         read_threads: int = 2,
         prefetch: int = 4,
+        read_processes: int = 0,
         qa_turns: str = "chained",
         chained_share: float = QA_CHAINED_SHARE,
     ):
@@ -196,6 +214,9 @@ class TokenDatasetLoader:
         self.first_row = process_index * self.local_rows
         self.layout, self.window = layout, window
         self.read_threads, self.prefetch = read_threads, prefetch
+        if read_processes < 0:
+            raise ValueError(f"read_processes {read_processes} is negative")
+        self.read_processes = read_processes
         self._lock = threading.RLock()  # plans are made once, by whichever thread needs one
         self._plans: dict[int, PackingPlan] = {}
         self._chained: dict[int, np.ndarray] = {}
@@ -220,7 +241,7 @@ class TokenDatasetLoader:
             "batch_size": self.batch_size,
             "num_examples": len(self.lengths),
         }
-        if self._iterator is not None:
+        if self._iterator is not None and not self.read_processes:
             state["grain"] = self._iterator.get_state()
         return state
 
@@ -243,13 +264,30 @@ class TokenDatasetLoader:
         self._resume = state.get("grain") or {"next_index": self._next}
         if int(self._resume.get("next_index", -1)) != self._next:
             raise ValueError(f"loader state {state}: grain's position is not its epoch/batch")
-        self._iterator = None
+        self.close()
 
     def __iter__(self) -> TokenDatasetLoader:
         return self
 
+    def close(self) -> None:
+        """Stop reading ahead (the worker processes of `read_processes`, if started)."""
+        iterator, self._iterator = self._iterator, None
+        if iterator is not None and hasattr(iterator, "close"):
+            iterator.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What a worker process gets (`read_processes`): the loader without its lock and
+        iterator."""
+        state = dict(self.__dict__)
+        state.update(_lock=None, _iterator=None, _resume=None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.RLock()
+
     def __next__(self) -> dict[str, np.ndarray]:
-        if not self.read_threads:
+        if not self.read_threads and not self.read_processes:
             out = self.read(self._next)
         else:
             if self._iterator is None:
@@ -261,6 +299,20 @@ class TokenDatasetLoader:
     def _start(self):
         import grain
 
+        if self.read_processes:  # element i: global batch next + i, read in the workers
+            from absl import flags
+
+            if not flags.FLAGS.is_parsed():  # grain's workers read absl flags (their defaults)
+                flags.FLAGS.mark_as_parsed()
+            dataset = grain.MapDataset.range(self._next, 2**62).map(self.read)
+            options = grain.ReadOptions(
+                num_threads=max(self.read_threads, 1), prefetch_buffer_size=self.prefetch
+            )
+            workers = grain.MultiprocessingOptions(
+                num_workers=self.read_processes, per_worker_buffer_size=self.prefetch
+            )
+            dataset = dataset.to_iter_dataset(options)
+            return iter(dataset.mp_prefetch(workers, worker_init_fn=_exit_with_parent))
         dataset = grain.MapDataset.range(0, 2**62).map(self.read)  # element g: global batch g
         options = grain.ReadOptions(
             num_threads=self.read_threads, prefetch_buffer_size=self.prefetch

@@ -2,4 +2,5 @@
 
 from lwm.cli import main
 
-raise SystemExit(main())
+if __name__ == "__main__":  # not in worker processes started by spawn (data.read_processes)
+    raise SystemExit(main())

@@ -264,6 +264,10 @@ class DataConfig(BaseModel):
     # each batch is read when the step asks for it)
     read_threads: Annotated[int, Field(ge=0)] = 2
     prefetch: PositiveInt = 4  # batches read ahead
+    # Read and pack in this many worker processes (grain's mp_prefetch, each with read_threads
+    # threads) instead of threads of the training process: for steps so short that the
+    # loader's Python and the loop's share the interpreter lock (0: threads)
+    read_processes: Annotated[int, Field(ge=0)] = 0
     # batches made ready on the devices (read, packed, transferred, their rows' order checked)
     # ahead of the step that takes them, by a thread beside the training loop
     # (`lwm.train.BatchPrefetch`)

@@ -430,6 +430,7 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
         if tracing:
             jax.profiler.stop_trace()
         batches.close()
+        loader.close()
         manager.wait_until_finished()
         manager.close()
         writer.close()

@@ -62,6 +62,7 @@ def build_loader(cfg: Config, seq_len: int, layout: np.ndarray | None) -> Loader
             chained_share=data.qa_chained_share,
             read_threads=data.read_threads,
             prefetch=data.prefetch,
+            read_processes=data.read_processes,
             **common,
         )
     except ValueError as e:  # a dataset that does not fit the settings, or one refused

@@ -302,6 +302,32 @@ def test_grain_read_ahead_gives_the_plain_readers_batches_and_states(dataset):
             np.testing.assert_array_equal(got[key], want[key])
 
 
+def test_worker_processes_give_the_plain_readers_batches_and_resume_from_its_state(dataset):
+    """`read_processes`: two worker processes read and pack the batches (grain's
+    mp_prefetch): the plain reader's batches in its order over three epochs, a state that a
+    plain reader resumes from and one it resumes from, and a clean close."""
+    plain, workers = loader(dataset, read_threads=0), loader(dataset, read_processes=2)
+    n = plain.batches_in_epoch(0) + plain.batches_in_epoch(1) + 2
+    try:
+        for _ in range(n):
+            want, got = next(plain), next(workers)
+            for key in want:
+                np.testing.assert_array_equal(got[key], want[key])
+        state = json.loads(json.dumps(workers.state()))
+        assert state == plain.state()  # no per-worker grain state: the next batch alone
+        resumed = loader(dataset, read_processes=2)
+        resumed.restore(state)
+        for _ in range(3):
+            want, got = next(plain), next(resumed)
+            for key in want:
+                np.testing.assert_array_equal(got[key], want[key])
+        resumed.close()
+    finally:
+        workers.close()
+    with pytest.raises(ValueError, match="read_processes -1 is negative"):
+        loader(dataset, read_processes=-1)
+
+
 @pytest.mark.parametrize(
     ("lengths", "tight"),
     [((369, 411), 832), ((276, 289), 896), ((600, 700), 704), ((300, 411), None)],

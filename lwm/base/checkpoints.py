@@ -71,14 +71,17 @@ def restore_first(
 
 class _DropUnretrievedReadErrors(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("Future exception was never retrieved")
+        message = record.getMessage()  # a read's future, or the task that awaited it
+        return not message.startswith(
+            ("Future exception was never retrieved", "Task exception was never retrieved")
+        )
 
 
 def _quiet_reads_after_a_failed_restore() -> None:
     """When a restore fails, orbax closes its event loop while tensorstore still reads the
     checkpoint's other arrays; each read that ends then reports "RuntimeError: Event loop is
-    closed" as an unraisable exception, or asyncio logs "Future exception was never retrieved"
-    with the read's error (a traceback on stderr each, many for a large model), some before
+    closed" as an unraisable exception, or asyncio logs "Future (or Task) exception was never
+    retrieved" with the read's error (a traceback on stderr each, many for a large model), some before
     orbax's error reaches us. Those alone are dropped; every other unraisable exception goes
     to the hook before, and asyncio's other messages are logged."""
     previous = sys.unraisablehook
