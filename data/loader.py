@@ -38,8 +38,9 @@ With ``read_processes`` > 0 that work runs in as many worker processes (grain's
 ``mp_prefetch``, batches in order), so that it does not share the interpreter lock of the
 process that trains.
 
-The state is grain's iterator state (the next global batch) with ``{epoch, batch}`` and what
-checks that it belongs to this dataset: identical on every host, JSON-serialisable, and a
+The state is grain's iterator state (the next global batch; with worker processes, none:
+their pipeline starts at that batch) with ``{epoch, batch}`` and what checks that it belongs to
+this dataset: identical on every host, JSON-serialisable, and a
 restored loader yields exactly the batches the original would have (batches read ahead but not
 yet taken are not part of it). Targets are made in document order
 (`data.batches.make_training_batch`), then the zigzag ``layout`` (if any) permutes each row.

@@ -274,7 +274,7 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
     global_shape = (tc.batch_size, seq_len)
     # dispatched steps whose metrics are not yet checked, with the time each waited for its
     # batch, the time that batch took to make, and its rows' order
-    pending: list[tuple[int, dict, float, float, str | None]] = []
+    pending: list[tuple[int, tuple[tuple[str, ...], jax.Array], float, float, str | None]] = []
     last_good_save = resumed[0] if resumed is not None else None
     # the steps fetched since the last logged line: their time, data waits and rows' orders
     window = {"t": time.perf_counter(), "wait": 0.0, "made": 0.0, "checked": 0, "rows": []}
@@ -366,12 +366,12 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
         next_batch, range(start + 1, tc.steps + 1), depth=cfg.data.device_prefetch
     )
     profile = range(tc.profile_start, tc.profile_start + tc.profile_steps)
-    tracing = False
+    tracing = 0  # the first step traced, while tracing
     try:
         for step in range(start + 1, tc.steps + 1):
             if step in profile and not tracing and primary:
                 jax.profiler.start_trace(str(output / "profile"), create_perfetto_trace=True)
-                tracing = True
+                tracing = step
             t_data = time.perf_counter()
             batch, rows, reach, loader_state = batches.get()
             waited = time.perf_counter() - t_data
@@ -389,8 +389,8 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
             if tracing and step == profile[-1]:
                 check(step)
                 jax.profiler.stop_trace()
-                tracing = False
-                log(f"profile of steps {profile[0]}-{step} in {output / 'profile'}")
+                log(f"profile of steps {tracing}-{step} in {output / 'profile'}")
+                tracing = 0
             save_now = step % tc.save_every == 0 or step == tc.steps
             if stop.received is not None or save_now:
                 check(step)
