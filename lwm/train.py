@@ -276,7 +276,8 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
     # batch, the time that batch took to make, and its rows' order
     pending: list[tuple[int, tuple[tuple[str, ...], jax.Array], float, float, str | None]] = []
     last_good_save = resumed[0] if resumed is not None else None
-    # the steps fetched since the last logged line: their time, data waits and rows' orders
+    # the steps fetched since the last logged line: their time, data waits, batches' making
+    # times and rows' orders
     window = {"t": time.perf_counter(), "wait": 0.0, "made": 0.0, "checked": 0, "rows": []}
 
     def check(upto: int) -> None:
@@ -320,7 +321,7 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
                 host.update(
                     learning_rate=host_schedule(step - 1),
                     step_time_s=dt,
-                    # the host's time to read, pack and hand over a batch, per step
+                    # the time a step waited for its batch, per step
                     data_wait_s=wait,
                     data_wait_share=wait / dt,
                     # the loader thread's time to read, pack and move a batch (`BatchPrefetch`)
@@ -338,7 +339,7 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
         """Batch ``step`` on the devices, its rows' schedule and the loader's state after it
         (what a checkpoint of that step keeps): made in `BatchPrefetch`'s thread."""
         local = next(loader)
-        if jax.process_count() == 1:  # every array in one transfer
+        if not _many_processes():  # every array in one transfer
             batch = jax.device_put(local, bsharding)
         else:
             batch = {
