@@ -180,7 +180,7 @@ def main() -> int:
         from lwm.config import ConfigError, load_config
 
         try:
-            load_config("configs/demo.yaml", args.set)
+            load_config(ROOT / "configs/demo.yaml", args.set)  # as run_step runs it, in ROOT
         except ConfigError as e:
             p.error(f"--set: {e}")
     if args.mesh is None:
