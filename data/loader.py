@@ -51,6 +51,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +72,8 @@ from data.tokens import frame_cells, frame_window, loss_weight, record_turns, wi
 __all__ = ["PackingPlan", "TokenDatasetLoader", "plan_epoch"]
 
 STATE_KIND = "token_dataset"
+# What a loader keeps of the records it read (`TokenDatasetLoader.record`), per process.
+RECORD_CACHE_BYTES = 256 << 20
 
 
 class PackingPlan:
@@ -221,6 +224,8 @@ class TokenDatasetLoader:
         self._lock = threading.RLock()  # plans are made once, by whichever thread needs one
         self._plans: dict[int, PackingPlan] = {}
         self._chained: dict[int, np.ndarray] = {}
+        self._records: OrderedDict[int, dict[str, np.ndarray]] = OrderedDict()  # `record`
+        self._record_bytes = 0
         self._epoch_starts = [0]  # global batch at which each epoch starts
         self._next = 0  # the next global batch to hand out
         self._iterator = None  # grain's, made on first use
@@ -402,6 +407,43 @@ class TokenDatasetLoader:
         rows = [plan.row(first + r) for r in range(self.local_rows)]
         return self._assemble(rows, self.chained_records(epoch))
 
+    def record(self, ex: int) -> dict[str, np.ndarray]:
+        """Record ``ex`` with what batches take from it (its frame cells, QA turns, window),
+        worked out once and kept while the records kept stay under `RECORD_CACHE_BYTES`: the
+        records of a small dataset are visited every epoch, and on a fast chip the Python that
+        makes a batch shares the interpreter with the training loop."""
+        with self._lock:
+            found = self._records.get(ex)
+            if found is not None:
+                self._records.move_to_end(ex)
+                return found
+        record = self.source[ex]
+        example = {k: np.asarray(record[k]) for k in ("tokens", "vision_mask", "loss_mask")}
+        example["cells"] = frame_cells(example["tokens"], example["vision_mask"])
+        if self._turn_ids is not None:
+            turn, turn_pos = record_turns(
+                example["tokens"], example["vision_mask"], *self._turn_ids
+            )
+            if turn.max() > MAX_TURNS:
+                raise ValueError(
+                    f"record {ex} of '{self.path}' has {turn.max()} QA turns; "
+                    f"QA turns allow at most {MAX_TURNS}"
+                )
+            example["turn"], example["positions"] = turn, turn_pos
+        if self.window is not None:  # of the whole record, as the cells
+            example["window"] = frame_window(
+                example["tokens"], example["vision_mask"], *self.window, cells=example["cells"]
+            )
+        size = sum(a.nbytes for a in example.values())
+        with self._lock:
+            if ex not in self._records and size <= RECORD_CACHE_BYTES:
+                self._records[ex] = example
+                self._record_bytes += size
+                while self._record_bytes > RECORD_CACHE_BYTES:
+                    _, dropped = self._records.popitem(last=False)
+                    self._record_bytes -= sum(a.nbytes for a in dropped.values())
+        return example
+
     def _assemble(
         self, rows: list[list[tuple[int, int, int]]], chained: np.ndarray | None = None
     ) -> dict[str, np.ndarray]:
@@ -415,7 +457,6 @@ class TokenDatasetLoader:
         window = None
         if self.window is not None:
             window = np.full((*shape, len(window_offsets(self.window[1]))), -1, np.int32)
-        examples: dict[int, dict[str, np.ndarray]] = {}  # a long document spans rows
         for r, pieces in enumerate(rows):
             at = 0
             if self._turn_ids is not None and len(pieces) >= MAX_TURN_DOCUMENTS:
@@ -424,32 +465,7 @@ class TokenDatasetLoader:
                     f"{MAX_TURN_DOCUMENTS - 1} per row"
                 )
             for segment, (ex, start, n) in enumerate(pieces, 1):
-                if ex not in examples:
-                    record = self.source[ex]
-                    examples[ex] = {
-                        k: np.asarray(record[k]) for k in ("tokens", "vision_mask", "loss_mask")
-                    }
-                    examples[ex]["cells"] = frame_cells(
-                        examples[ex]["tokens"], examples[ex]["vision_mask"]
-                    )
-                    if self._turn_ids is not None:
-                        turn, turn_pos = record_turns(
-                            examples[ex]["tokens"], examples[ex]["vision_mask"], *self._turn_ids
-                        )
-                        if turn.max() > MAX_TURNS:
-                            raise ValueError(
-                                f"record {ex} of '{self.path}' has {turn.max()} QA turns; "
-                                f"QA turns allow at most {MAX_TURNS}"
-                            )
-                        examples[ex]["turn"], examples[ex]["positions"] = turn, turn_pos
-                    if window is not None:  # of the whole record, as the cells
-                        examples[ex]["window"] = frame_window(
-                            examples[ex]["tokens"],
-                            examples[ex]["vision_mask"],
-                            *self.window,
-                            cells=examples[ex]["cells"],
-                        )
-                example = examples[ex]
+                example = self.record(ex)
                 piece = slice(start, start + n)
                 tokens[r, at : at + n] = example["tokens"][piece]
                 vision[r, at : at + n] = example["vision_mask"][piece]

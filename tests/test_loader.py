@@ -373,3 +373,53 @@ def test_a_dataset_naming_a_foreign_feature_class_is_refused_before_tfds_imports
         loader(bad)
     assert not marker.exists() and "evil_features" not in sys.modules
     assert loader(dataset).batches_in_epoch(0) > 0  # tfds's own classes load as before
+
+
+def test_records_kept_between_epochs_give_the_same_batches_and_are_not_read_again(
+    tmp_path, monkeypatch
+):
+    """The records a loader keeps (`TokenDatasetLoader.record`, for fast chips): over three
+    epochs the same batches (cells and windows included) with nothing kept, with a budget that
+    holds a few records (so some are dropped and read again) and with the default; with the
+    default, the epochs after the first read no record from the dataset, and a small budget is
+    never exceeded."""
+    import data.loader as loader_module
+
+    path = write_dataset(tmp_path / "ds", LENGTHS, vision=0.9)
+    reads = {}
+
+    def counted(ld, name):
+        source = ld.source
+
+        class Counting:
+            def __getitem__(self, i):
+                reads[name] = reads.get(name, 0) + 1
+                return source[i]
+
+            def __len__(self):
+                return len(source)
+
+        ld.source = Counting()
+        return ld
+
+    made = {}
+    for name, budget in (("none", 0), ("small", 1500), ("default", None)):
+        if budget is not None:
+            monkeypatch.setattr(loader_module, "RECORD_CACHE_BYTES", budget)
+        else:
+            monkeypatch.undo()
+        ld = counted(loader(path, read_threads=0, window=((4, 4), 1)), name)
+        first = ld.batches_in_epoch(0)
+        made[name] = epoch_batches(ld) + [next(ld) for _ in range(2 * first)]
+        if name == "default":
+            assert reads[name] == len(LENGTHS)  # each record read once, in the first epoch
+        if name == "small":
+            assert 0 < ld._record_bytes <= budget and 0 < len(ld._records) < len(LENGTHS)
+            assert reads[name] > len(LENGTHS)
+    assert reads["none"] > 2 * len(LENGTHS)  # without: every visit reads
+    for name in ("small", "default"):
+        assert len(made[name]) == len(made["none"])
+        for want, got in zip(made["none"], made[name], strict=True):
+            assert set(got) == set(want)
+            for key in want:
+                np.testing.assert_array_equal(got[key], want[key])
