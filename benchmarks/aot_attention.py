@@ -43,8 +43,9 @@ def main() -> None:
         default="ours",
         help="comma-separated: ours (ring_attention), splash (JAX's splash attention, one "
         "device, [batch, heads, seq, head_dim] inputs), splash-seq (splash from [batch, seq, "
-        "heads, head_dim] inputs, transposed in the call as MaxText does), ours-hm (ours on "
-        "one device given splash's layout, swapped in the call); default ours",
+        "heads, head_dim] inputs, transposed in the call as MaxText does), splash-sm (splash "
+        "reading q, k, v with the sequence minor), ours-hm (ours on one device given splash's "
+        "layout, swapped in the call); default ours",
     )
     p.add_argument("--no-segments", action="store_true", help="positions only, no segment ids")
     p.add_argument(
@@ -57,8 +58,9 @@ def main() -> None:
     )
     args = p.parse_args()
     impls = [i for i in args.impls.split(",") if i]
-    if bad := [i for i in impls if i not in ("ours", "ours-hm", "splash", "splash-seq")]:
-        raise ValueError(f"unknown --impls {bad[0]!r} (known: ours, ours-hm, splash, splash-seq)")
+    known = ("ours", "ours-hm", "splash", "splash-seq", "splash-sm")
+    if bad := [i for i in impls if i not in known]:
+        raise ValueError(f"unknown --impls {bad[0]!r} (known: {', '.join(known)})")
 
     import jax
     import jax.numpy as jnp
@@ -133,7 +135,7 @@ def main() -> None:
         return (("fwd", fn), ("fwd_bwd", fwd_bwd))
 
     for impl in impls:
-        head_major = impl in ("splash", "ours-hm")
+        head_major = impl in ("splash", "splash-sm", "ours-hm")
         if impl != "ours" and mesh.size != 1:
             raise ValueError("the splash impl compiles for one device (--mesh 1,1,1,1)")
         dims = (1, args.heads, args.seq, hd) if head_major else shape

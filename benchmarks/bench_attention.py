@@ -96,15 +96,23 @@ BWD_FLOP_FACTOR = 3.5  # fwd (1) + bwd (2.5)
 # (jax.experimental.pallas.ops.tpu), called with their own [batch, heads, seq, head_dim] layout;
 # splash-seq: splash called from [batch, seq, heads, head_dim] activations, transposed in the
 # call as MaxText does (ours takes that layout); ours-hm: ours-blockwise given splash's
-# [batch, heads, seq, head_dim], the layout its Pallas kernel blocks (no copies)
+# [batch, heads, seq, head_dim], the layout its Pallas kernel blocks (no copies); ours-hdm:
+# ours-hm with the head dimension minor for narrow heads too (the kernel before seq-minor
+# heads); splash-sm: splash reading q, k, v with the sequence minor (QKVLayout.SEQ_MINOR)
 IMPLS = (
-    "ours", "ours-blockwise", "ours-hm", "ours-cudnn", "ours-cudnn-doc", "cudnn", "splash",
-    "splash-seq", "flash", "ringattention", "dense",
+    "ours", "ours-blockwise", "ours-hm", "ours-hdm", "ours-cudnn", "ours-cudnn-doc", "cudnn",
+    "splash", "splash-seq", "splash-sm", "flash", "ringattention", "dense",
 )  # fmt: skip
 CPU_IMPLS = ("ours", "ringattention", "dense")  # the default impls per platform
 GPU_IMPLS = ("ours", "ours-cudnn", "ours-cudnn-doc", "cudnn", "ringattention")
 TPU_IMPLS = ("ours", "ours-blockwise", "ours-hm", "splash", "splash-seq", "flash")
-HEAD_MAJOR = ("splash", "flash", "ours-hm")  # impls given [batch, heads, seq, head_dim]
+HEAD_MAJOR = (
+    "splash",
+    "splash-sm",
+    "flash",
+    "ours-hm",
+    "ours-hdm",
+)  # impls given [batch, heads, seq, head_dim]
 KV_HEADS = None  # --kv-heads (None: as many as the query heads)
 DOC_LEN = None  # --doc-len: packed rows of documents this long (segment ids, positions restart)
 KERNEL = "xla"
@@ -271,11 +279,13 @@ def blockwise_hm_fn(mesh: Mesh, block: int) -> AttnFn:
     return swapped(blockwise_fn(mesh, block))
 
 
-def splash_fn(mesh: Mesh, block: int) -> AttnFn:
+def splash_fn(mesh: Mesh, block: int, seq_minor: bool = False) -> AttnFn:
     """JAX's splash attention (`jax.experimental.pallas.ops.tpu.splash_attention`) as MaxText
     calls it: a static causal mask, the documents of a packed row as segment ids, queries
     scaled outside the kernel, the same block size for every one of its tiles, vmapped over
-    the batch. Inputs ``[batch, heads, seq, head_dim]``; key/value heads may be fewer (GQA)."""
+    the batch. Inputs ``[batch, heads, seq, head_dim]``; key/value heads may be fewer (GQA).
+    ``seq_minor``: its kernels read q, k, v with the sequence minor (``QKVLayout.SEQ_MINOR``,
+    what a TPU lays ``[.., seq, 64]`` arrays as)."""
     del mesh
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
@@ -289,6 +299,8 @@ def splash_fn(mesh: Mesh, block: int) -> AttnFn:
         sizes = sk.BlockSizes(
             block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=b,
             block_kv_dkv_compute=b, block_q_dq=b, block_kv_dq=b,
+            **(dict.fromkeys(("q_layout", "k_layout", "v_layout"), sk.QKVLayout.SEQ_MINOR)
+               if seq_minor else {}),
         )  # fmt: skip
         mask = sm.MultiHeadMask([sm.CausalMask((seq, seq))] * q.shape[1])
         kernel = sk.make_splash_mha(mask, head_shards=1, q_seq_shards=1, block_sizes=sizes)
@@ -297,6 +309,23 @@ def splash_fn(mesh: Mesh, block: int) -> AttnFn:
             return jax.vmap(kernel)(q, k, v)
         ids = sk.SegmentIds(q=segments, kv=segments)
         return jax.vmap(kernel)(q, k, v, segment_ids=ids)
+
+    return f
+
+
+def blockwise_hdm_fn(mesh: Mesh, block: int) -> AttnFn:
+    """`blockwise_hm_fn` with the head dimension minor whatever the heads' width (before
+    `lwm.attention.blockwise.SEQ_MINOR_BELOW`: heads narrower than 128 lanes copied in)."""
+    import lwm.attention.blockwise as blockwise_module
+
+    attend = blockwise_hm_fn(mesh, block)
+
+    def f(*args):
+        below, blockwise_module.SEQ_MINOR_BELOW = blockwise_module.SEQ_MINOR_BELOW, 0
+        try:  # read when the call is traced
+            return attend(*args)
+        finally:
+            blockwise_module.SEQ_MINOR_BELOW = below
 
     return f
 
@@ -413,9 +442,11 @@ IMPL_FNS: dict[str, Callable[[Mesh, int], AttnFn]] = {
     "ours-cudnn-doc": partial(ours_fn, kernel="cudnn", positions_given=False),
     "ours-blockwise": blockwise_fn,
     "ours-hm": blockwise_hm_fn,
+    "ours-hdm": blockwise_hdm_fn,
     "cudnn": cudnn_fn,
     "splash": splash_fn,
     "splash-seq": splash_seq_fn,
+    "splash-sm": partial(splash_fn, seq_minor=True),
     "flash": flash_fn,
     "ringattention": reference_fn,
     "dense": dense_fn,
@@ -526,6 +557,7 @@ def base_record(case: Case, block: int) -> dict[str, Any]:
             "ours": KERNEL,
             "ours-blockwise": KERNEL,
             "ours-hm": KERNEL,
+            "ours-hdm": KERNEL,
             "ours-cudnn": "cudnn",
             "ours-cudnn-doc": "cudnn",
         }.get(case.impl),  # fmt: skip
@@ -650,6 +682,8 @@ RATIOS = (
     ("ours", "splash"),
     ("ours-blockwise", "splash"),
     ("ours-hm", "splash"),
+    ("ours-hm", "splash-sm"),
+    ("ours-hdm", "splash"),
     ("ours", "splash-seq"),
     ("ours-blockwise", "splash-seq"),
     ("ours", "flash"),

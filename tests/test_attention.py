@@ -552,6 +552,47 @@ def test_blockwise_pallas_kernel_equals_dense(causal):
     )
 
 
+@pytest.mark.parametrize("seq_minor", [True, False])
+def test_blockwise_pallas_kernel_for_narrow_heads_equals_dense(seq_minor, monkeypatch):
+    """Heads of 32 (narrower than a TPU's 128 lanes) with blocks of 128: the Pallas kernel
+    takes q, k, v, dO and its outputs with the sequence minor (`seq_minor_q`; its backward's
+    dK/dV kernel works on [block_k, block_q] tiles with the statistics as rows) and equals
+    dense attention, as the head-dim-minor path does (``SEQ_MINOR_BELOW=0``). Rows packed as
+    training packs QA records (a video turn every question sees, question turns, positions
+    restarting per document), GQA, the last block padded."""
+    import lwm.attention.blockwise as blockwise_module
+    from data.batches import turn_segment_ids
+
+    if not seq_minor:
+        monkeypatch.setattr(blockwise_module, "SEQ_MINOR_BELOW", 0)
+    s = 300
+    q, k, v = qkv(s=s, h=4, kvh=2, d=32)
+    seg = np.ones((2, s), np.int32)
+    pos = np.tile(np.arange(s, dtype=np.int32), (2, 1))
+    cuts, ids = [0, 140, 200, 250, s], [turn_segment_ids(2, t) for t in range(4)]
+    for (lo, hi), sid in zip(zip(cuts[:-1], cuts[1:], strict=True), ids, strict=True):
+        seg[1, lo:hi] = sid
+    pos[1] = np.arange(s)  # one document of turns
+    seg[0, 170:] = 3
+    pos[0, 170:] = np.arange(s - 170)
+    kw = dict(
+        q_segment_ids=jnp.asarray(seg),
+        kv_segment_ids=jnp.asarray(seg),
+        q_positions=jnp.asarray(pos),
+        kv_positions=jnp.asarray(pos),
+    )
+
+    def fn(q, k, v):
+        return blockwise_attention(q, k, v, block_q=128, block_k=128, kernel="pallas", **kw)
+
+    jaxpr = str(jax.make_jaxpr(jax.grad(lambda *a: fn(*a).sum()))(q, k, v))
+    assert "pallas_call" in jaxpr
+    # the queries [b, kv heads, group, d, padded seq] (seq minor) or [b, kvh, g, nq, bq, d]
+    assert ("f32[2,2,2,32,384]" in jaxpr) == seq_minor
+    assert ("f32[2,2,2,3,128,32]" in jaxpr) != seq_minor
+    assert_matches(fn, lambda q, k, v: dense_attention(q, k, v, **kw), q, k, v)
+
+
 def test_unknown_kernel_is_a_clear_error():
     q, k, v = qkv()
     with pytest.raises(ValueError, match="unknown attention kernel 'cuda'; choose one of xla"):

@@ -78,6 +78,9 @@ class Spec(NamedTuple):
     # (`lwm.attention.look_back`; 0: unknown). The cuDNN kernel then skips the key pieces out
     # of reach (checked with the order).
     reach: int = 0
+    # The Pallas kernel on one chunk takes q, k, v, the output and the gradients with the
+    # sequence minor (`seq_minor_q`): heads narrower than a TPU's 128 lanes.
+    seq_minor: bool = False
 
 
 def _pad(x: jax.Array | None, axis: int, size: int, value) -> jax.Array | None:
@@ -139,6 +142,32 @@ def merge_head_major_kv(x: jax.Array, length: int) -> jax.Array:
     return merge_head_major_q(x[:, :, None], length)
 
 
+def seq_minor_q(x: jax.Array, kv_heads: int, block: int) -> jax.Array:
+    """[b, s, h, d] -> [b, kv_heads, h/kv_heads, d, s'] (``s`` zero-padded to blocks): the
+    layout a TPU gives ``[.., s, d]`` arrays of heads narrower than its 128 lanes (the sequence
+    in the lanes, so that ``d`` is not padded to 128), which XLA then hands over without a
+    copy. The layout of the Pallas kernel's single-chunk path for such heads."""
+    b, s, h, d = x.shape
+    x = _pad(x, 1, -(-s // block) * block, 0)
+    return x.transpose(0, 2, 3, 1).reshape(b, kv_heads, h // kv_heads, d, -1)
+
+
+def merge_seq_minor_q(x: jax.Array, length: int) -> jax.Array:
+    """[b, kvh, g, d, s'] -> [b, length, kvh*g, d]."""
+    b, kvh, g, d, s = x.shape
+    return x.reshape(b, kvh * g, d, s).transpose(0, 3, 1, 2)[:, :length]
+
+
+def seq_minor_kv(x: jax.Array, block: int) -> jax.Array:
+    """[b, s, kvh, d] -> [b, kvh, d, s']: `seq_minor_q` with one head per group."""
+    return seq_minor_q(x, x.shape[2], block)[:, :, 0]
+
+
+def merge_seq_minor_kv(x: jax.Array, length: int) -> jax.Array:
+    """[b, kvh, d, s'] -> [b, length, kvh, d]."""
+    return merge_seq_minor_q(x[:, :, None], length)
+
+
 def split_q(
     q: jax.Array,
     pos: jax.Array,
@@ -146,13 +175,19 @@ def split_q(
     kv_heads: int,
     block: int,
     head_major: bool = False,
+    seq_minor: bool = False,
 ) -> QBlocks:
-    """The queries blocked (``head_major``: as `head_major_q`, else as `blocks_q`), with their
-    positions and segment ids ``[nq, b, bq]``."""
+    """The queries blocked (``head_major``: as `head_major_q`, or with ``seq_minor`` as
+    `seq_minor_q`; else as `blocks_q`), with their positions and segment ids ``[nq, b, bq]``."""
     n = -(-q.shape[1] // block)
     pos = _blocks_1d(_pad(pos, 1, n * block, -1), n, block)
     seg = _blocks_1d(_pad(seg, 1, n * block, PAD_Q_SEGMENT), n, block)
-    blocked = head_major_q(q, kv_heads, block) if head_major else blocks_q(q, kv_heads, block)
+    if seq_minor:
+        blocked = seq_minor_q(q, kv_heads, block)
+    elif head_major:
+        blocked = head_major_q(q, kv_heads, block)
+    else:
+        blocked = blocks_q(q, kv_heads, block)
     return QBlocks(blocked, pos, seg)
 
 
@@ -169,13 +204,17 @@ def split_kv(
     seg: jax.Array | None,
     block: int,
     head_major: bool = False,
+    seq_minor: bool = False,
 ) -> KVBlocks:
-    """Keys and values blocked (``head_major``: as `head_major_kv`, else ``[nk, b, kvh, bk,
-    d]``), with their positions and segment ids ``[nk, b, bk]``."""
+    """Keys and values blocked (``head_major``: as `head_major_kv`, or with ``seq_minor`` as
+    `seq_minor_kv`; else ``[nk, b, kvh, bk, d]``), with their positions and segment ids ``[nk,
+    b, bk]``."""
     b, s, kvh, d = k.shape
     n = -(-s // block)
 
     def blocks(x):
+        if seq_minor:
+            return seq_minor_kv(x, block)
         if head_major:
             return head_major_kv(x, block)
         x = _pad(x, 1, n * block, 0)

@@ -41,7 +41,10 @@ from lwm.attention.blocks import (
     merge_head_major_q,
     merge_kv,
     merge_q,
+    merge_seq_minor_kv,
+    merge_seq_minor_q,
     needs_segments,
+    seq_minor_q,
     split_kv,
     split_q,
 )
@@ -72,7 +75,28 @@ def _head_major(spec: Spec, n: int) -> bool:
     return n == 1 and spec.kernel == "pallas"
 
 
-def _prepare(q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec: Spec, head_major: bool = False):
+# Heads narrower than this many lanes go to the Pallas kernel with the sequence minor
+# (`Spec.seq_minor`); 0 turns that off (benchmarks compare both).
+SEQ_MINOR_BELOW = 128
+
+
+def seq_minor_layout(kernel: str, head_dim: int, block_q: int, block_k: int) -> bool:
+    """Whether the Pallas kernel's single-chunk path takes its arrays with the sequence minor
+    (`blocks.seq_minor_q`): for heads narrower than a TPU's 128 lanes, whose ``[.., seq, d]``
+    arrays the TPU lays out that way (else it pads ``d`` to 128), when the blocks fill whole
+    lanes (multiples of 128) and the head's width whole bf16 sublane tiles (16)."""
+    return (
+        kernel == "pallas"
+        and head_dim < SEQ_MINOR_BELOW
+        and head_dim % 16 == 0
+        and block_q % 128 == 0
+        and block_k % 128 == 0
+    )
+
+
+def _prepare(
+    q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec: Spec, head_major: bool = False, seq_minor=False
+):
     vma = union_vma((q, k, v, q_pos, kv_pos, q_seg, kv_seg))
     # Tie the positions and segment ids to the activations. Otherwise, when attention runs in
     # a scan over layers that is differentiated, JAX hoists everything that depends only on
@@ -82,8 +106,8 @@ def _prepare(q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec: Spec, head_major: bool
         (q, k, v, q_pos, kv_pos, q_seg, kv_seg)
     )
     # Everything carried through scans must vary over the same mesh axes (check_vma).
-    qs = split_q(q, q_pos, q_seg, k.shape[2], spec.block_q, head_major)
-    kv = split_kv(k, v, kv_pos, kv_seg, spec.block_k, head_major)
+    qs = split_q(q, q_pos, q_seg, k.shape[2], spec.block_q, head_major, seq_minor)
+    kv = split_kv(k, v, kv_pos, kv_seg, spec.block_k, head_major, seq_minor)
     qs, kv = jax.tree.map(lambda x: make_varying(x, vma), (qs, kv))
     return qs, kv, vma
 
@@ -100,15 +124,17 @@ def _forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec: Spec, axis_name: str |
     output blocked like the queries: all the backward pass needs."""
     n = axis_size(axis_name)
     head_major = _head_major(spec, n)
-    qs, kv, vma = _prepare(q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec, head_major)
+    seq_minor = head_major and spec.seq_minor
+    qs, kv, vma = _prepare(q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec, head_major, seq_minor)
     own_kv = kv
     if head_major:
         # One chunk: the kernel's normalised output is the answer, written in the inputs'
         # dtype (no float32 statistics to fold, as a ring needs between its steps).
-        out, lse = pallas.flash_chunk(qs, kv, spec, dtype=q.dtype, head_major=True)
+        out, lse = pallas.flash_chunk(qs, kv, spec, q.dtype, head_major=True, seq_minor=seq_minor)
         lse = jnp.where(jnp.isneginf(lse), jnp.inf, lse)  # rows with no key: finalize_stats'
         out, lse = _named(out, lse)
-        return merge_head_major_q(out, q.shape[1]), lse, qs, own_kv, out
+        merge = merge_seq_minor_q if seq_minor else merge_head_major_q
+        return merge(out, q.shape[1]), lse, qs, own_kv, out
     fwd_chunk = _kernel(spec).fwd_chunk
     stats = init_stats(qs, vma)
     if n > 1:
@@ -130,21 +156,29 @@ def _backward(res, dout, spec: Spec, axis_name: str | None):
     length = dout.shape[1]
     n = axis_size(axis_name)
     head_major = _head_major(spec, n)
-    if head_major:
+    seq_minor = head_major and spec.seq_minor
+    if seq_minor:
+        do = seq_minor_q(dout, kv.k.shape[1], spec.block_q)
+    elif head_major:
         do = head_major_q(dout, kv.k.shape[1], spec.block_q)
     else:
         do = blocks_q(dout, kv.k.shape[2], spec.block_q)
     # delta_i = sum_d dout_id * out_id, per query row, from both blocked alike: from the merged
     # output XLA made float32 copies of it in the merged layout (1 GiB at 32K tokens of 32 heads
     # on a TPU); padded rows give 0 (their dout is zero).
-    delta = jnp.sum(do.astype(F32) * out.astype(F32), axis=-1)
+    delta = jnp.sum(do.astype(F32) * out.astype(F32), axis=-2 if seq_minor else -1)
+    if seq_minor:  # [b, kvh, g, s'] -> blocked like the log-sum-exp
+        delta = delta.reshape(lse.shape)
     if head_major:  # one chunk: gradients straight in the inputs' dtypes
-        dq, dk, dv = pallas.bwd_chunk(qs, do, lse, delta, kv, None, spec, head_major=True)
-        return (
-            merge_head_major_q(dq, length),
-            merge_head_major_kv(dk, spec.kv_len),
-            merge_head_major_kv(dv, spec.kv_len),
+        dq, dk, dv = pallas.bwd_chunk(
+            qs, do, lse, delta, kv, None, spec, head_major=True, seq_minor=seq_minor
         )
+        merge_q_, merge_kv_ = (
+            (merge_seq_minor_q, merge_seq_minor_kv)
+            if seq_minor
+            else (merge_head_major_q, merge_head_major_kv)
+        )
+        return merge_q_(dq, length), merge_kv_(dk, spec.kv_len), merge_kv_(dv, spec.kv_len)
     bwd_chunk = _kernel(spec).bwd_chunk
     vma = union_vma(jax.tree.leaves(res))
     grads = (
@@ -278,6 +312,7 @@ def prepare_inputs(
         order=order,
         in_order=bool(in_order),
         reach=int(reach or 0),
+        seq_minor=seq_minor_layout(kernel, d, bq, bk),
     )
     args = (
         q,
