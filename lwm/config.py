@@ -265,8 +265,9 @@ class DataConfig(BaseModel):
     read_threads: Annotated[int, Field(ge=0)] = 2
     prefetch: PositiveInt = 4  # batches read ahead
     # Read and pack in this many worker processes (grain's mp_prefetch, each with read_threads
-    # threads) instead of threads of the training process: for steps so short that the
-    # loader's Python and the loop's share the interpreter lock (0: threads)
+    # threads) instead of threads of the training process (0: threads): for reading that is
+    # itself slow (large records, remote files); the batches then cross a process boundary,
+    # which on a TPU chip slowed the demo's short steps
     read_processes: Annotated[int, Field(ge=0)] = 0
     # batches made ready on the devices (read, packed, transferred, their rows' order checked)
     # ahead of the step that takes them, by a thread beside the training loop
