@@ -253,6 +253,37 @@ def test_attention_saveable_runs_the_forward_kernel_once():
     assert calls == {"nothing_saveable": 4, "attention_saveable": 3}, calls
 
 
+def test_narrow_heads_are_read_where_they_lie(monkeypatch):
+    """Heads of 64 (narrower than the 128 lanes): the chip lays ``[.., seq, 64]`` arrays out
+    with the sequence minor, and the kernel reads them so (`seq_minor_q`): the compiled
+    forward and backward, given ``[batch, heads, seq, 64]`` arrays as a model's projections
+    give them, plans less temporary memory than one copy of q (8K tokens, 32 heads: 16 MiB,
+    32 MiB padded to 128 lanes), where the head-dim-minor kernel copies q, k, v, dO and the
+    outputs in and out (320 MiB, compiled for a v5e chip)."""
+    import lwm.attention.blockwise as blockwise_module
+
+    b, s, h, d = 1, 8192, 32, 64
+    arr = jax.ShapeDtypeStruct((b, h, s, d), jnp.bfloat16)
+
+    def temp() -> int:
+        def grads(q, k, v, ct):  # a new function each time: traced again, not cached
+            def loss(q, k, v):
+                q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
+                out = blockwise_attention(q, k, v, block_q=1024, block_k=1024, kernel="pallas")
+                return jnp.sum(jnp.swapaxes(out, 1, 2).astype(jnp.float32) * ct)
+
+            return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+        compiled = jax.jit(grads).lower(arr, arr, arr, arr).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    one_copy = b * s * h * d * 2
+    seq_minor = temp()
+    monkeypatch.setattr(blockwise_module, "SEQ_MINOR_BELOW", 0)
+    head_dim_minor = temp()
+    assert seq_minor < one_copy < head_dim_minor, (seq_minor, head_dim_minor)
+
+
 def test_lwm_train_runs_on_the_chip(tmp_path, capsys):
     """A short `lwm train` of configs/tiny.yaml on the chip, in this process (a second process
     could not open the chip this one holds): it names the TPU and the Pallas kernel in its
