@@ -81,16 +81,18 @@ def _kv_sublanes(x: jax.Array) -> jax.Array:
     return jnp.broadcast_to(x[:, :, None, :], (n, b, SUBLANES, block))
 
 
-def _mask(qp_ref, kp_ref, qs_ref, ks_ref, causal: bool, bk: int, keys_in_rows: bool = False):
-    """``[block_q, block_k]`` visibility of one tile, from positions and segment ids
-    (``keys_in_rows``: ``[block_k, block_q]``, from query tokens broadcast over sublanes and
-    key tokens over lanes, and ``bk`` is then the query block)."""
-    if keys_in_rows:
-        q_at = lambda ref: ref[:1, :]  # noqa: E731
-        k_at = lambda ref: _lanes(ref[...], bk)  # noqa: E731
-    else:
-        q_at = lambda ref: _lanes(ref[...], bk)  # noqa: E731
-        k_at = lambda ref: ref[:1, :]  # noqa: E731
+def _mask(qp_ref, kp_ref, qs_ref, ks_ref, causal: bool, n: int, keys_in_rows: bool = False):
+    """``[block_q, block_k]`` visibility of one tile (``n = block_k``), from positions and
+    segment ids; with ``keys_in_rows``, ``[block_k, block_q]`` (``n = block_q``) from query
+    tokens broadcast over sublanes and key tokens over lanes."""
+
+    def row(ref):  # tokens broadcast over sublanes: their first row, [1, n]
+        return ref[:1, :]
+
+    def column(ref):  # tokens broadcast over lanes: [rows, n]
+        return _lanes(ref[...], n)
+
+    q_at, k_at = (row, column) if keys_in_rows else (column, row)
     mask = None
     if causal:
         mask = k_at(kp_ref) <= q_at(qp_ref)
