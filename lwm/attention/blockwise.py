@@ -95,7 +95,16 @@ def seq_minor_layout(kernel: str, head_dim: int, block_q: int, block_k: int) -> 
 
 
 def _prepare(
-    q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec: Spec, head_major: bool = False, seq_minor=False
+    q,
+    k,
+    v,
+    q_pos,
+    kv_pos,
+    q_seg,
+    kv_seg,
+    spec: Spec,
+    head_major: bool = False,
+    seq_minor: bool = False,
 ):
     vma = union_vma((q, k, v, q_pos, kv_pos, q_seg, kv_seg))
     # Tie the positions and segment ids to the activations. Otherwise, when attention runs in

@@ -490,7 +490,9 @@ def _dkv_kernel(
         dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def bwd_chunk(qs, do, lse, delta, kv, grads, spec, head_major: bool = False, seq_minor=False):
+def bwd_chunk(
+    qs, do, lse, delta, kv, grads, spec, head_major: bool = False, seq_minor: bool = False
+):
     """`lwm.attention.blocks.bwd_chunk` with the Pallas kernels: this chunk's gradient
     contributions added to ``grads`` = (dQ, dK, dV), float32, blocked. ``grads=None`` (one
     chunk: nothing to add to) returns the kernels' gradients in the inputs' dtypes, so that no
