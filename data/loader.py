@@ -285,7 +285,8 @@ class TokenDatasetLoader:
         """What a worker process gets (`read_processes`): the loader without its lock and
         iterator."""
         state = dict(self.__dict__)
-        state.update(_lock=None, _iterator=None, _resume=None)
+        state.update(_lock=None, _iterator=None, _resume=None, _records=OrderedDict())
+        state["_record_bytes"] = 0  # each worker keeps the records it reads itself
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -457,6 +458,7 @@ class TokenDatasetLoader:
         window = None
         if self.window is not None:
             window = np.full((*shape, len(window_offsets(self.window[1]))), -1, np.int32)
+        examples: dict[int, dict[str, np.ndarray]] = {}  # a long document spans rows
         for r, pieces in enumerate(rows):
             at = 0
             if self._turn_ids is not None and len(pieces) >= MAX_TURN_DOCUMENTS:
@@ -465,7 +467,9 @@ class TokenDatasetLoader:
                     f"{MAX_TURN_DOCUMENTS - 1} per row"
                 )
             for segment, (ex, start, n) in enumerate(pieces, 1):
-                example = self.record(ex)
+                if ex not in examples:  # once per batch, even if too large to keep
+                    examples[ex] = self.record(ex)
+                example = examples[ex]
                 piece = slice(start, start + n)
                 tokens[r, at : at + n] = example["tokens"][piece]
                 vision[r, at : at + n] = example["vision_mask"][piece]
