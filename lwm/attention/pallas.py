@@ -401,17 +401,8 @@ def _dq_kernel(
         dims = _NN if seq_minor else _NT
         q, do = (t_sc[0][...], t_sc[1][...]) if seq_minor else (q_ref[...], do_ref[...])
         bk = k.shape[1] if seq_minor else k.shape[0]
-        p = _scores_and_probs(
-            q,
-            k,
-            dims,
-            (qp_ref, kp_ref, qs_ref, ks_ref),
-            _column(lse_ref),
-            masked,
-            scale,
-            causal,
-            bk,
-        )
+        refs = (qp_ref, kp_ref, qs_ref, ks_ref)
+        p = _scores_and_probs(q, k, dims, refs, _column(lse_ref), masked, scale, causal, bk)
         dp = lax.dot_general(do, v, dims, preferred_element_type=F32)
         ds = p * (dp - _column(delta_ref)) * scale
         # [bq, bk] x [d, bk]^T (seq_minor) or [bq, bk] x [bk, d]

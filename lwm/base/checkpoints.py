@@ -81,8 +81,8 @@ def _quiet_reads_after_a_failed_restore() -> None:
     """When a restore fails, orbax closes its event loop while tensorstore still reads the
     checkpoint's other arrays; each read that ends then reports "RuntimeError: Event loop is
     closed" as an unraisable exception, or asyncio logs "Future (or Task) exception was never
-    retrieved" with the read's error (a traceback on stderr each, many for a large model), some before
-    orbax's error reaches us. Those alone are dropped; every other unraisable exception goes
+    retrieved" with the read's error (a traceback on stderr each, many for a large model), some
+    before orbax's error reaches us. Those alone are dropped; every other unraisable exception goes
     to the hook before, and asyncio's other messages are logged."""
     previous = sys.unraisablehook
     if getattr(previous, "_lwm_quiet", False):
