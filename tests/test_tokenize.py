@@ -488,14 +488,20 @@ def one_process(tmp_path_factory, synthetic, vqgan_dir):
 
 # `python -c IDLE_AT_SAVE N PATH ...` is `python -m lwm ...` (with Ctrl-C's default action)
 # whose chunk writer, at its save N+1, waits until the decoding workers are idle (the stream's
-# feeder has nothing in flight: `DecodeStream.quiet`), writes PATH, and then waits up to 30 s.
+# feeder has nothing in flight: `DecodeStream.quiet`), writes PATH, and then waits until the
+# SIGINT arrives (up to 30 s). The handler is Ctrl-C's default one, noting first that it ran:
+# the run stops waiting for the writer (`saver.shutdown()`) once the signal is in, not 30 s on.
 IDLE_AT_SAVE = """
 import signal, sys, threading, weakref
 from pathlib import Path
 from data.chunk_encoder import ChunkEncoder, DecodeStream
 from lwm.cli import main
 
-signal.signal(signal.SIGINT, signal.default_int_handler)
+interrupted = threading.Event()
+def on_sigint(signum, frame):
+    interrupted.set()
+    signal.default_int_handler(signum, frame)
+signal.signal(signal.SIGINT, on_sigint)
 limit, idle = int(sys.argv.pop(1)), Path(sys.argv.pop(1))
 save, saved, streams, made = ChunkEncoder.save, [], [], DecodeStream.__init__
 def remember(self, *args, **kwargs):
@@ -505,7 +511,7 @@ def save_when_idle(self, work, c):
     if len(saved) == limit:
         assert len(streams) == 1 and streams[0]().quiet.wait(60)
         idle.write_text("idle")
-        threading.Event().wait(30)
+        interrupted.wait(30)
     save(self, work, c)
     saved.append(c)
 DecodeStream.__init__ = remember
@@ -528,7 +534,7 @@ def test_ctrl_c_stops_with_its_workers_and_keeps_the_finished_chunks(
     # A terminal's foreground job starts with Ctrl-C's default action; a suite run in the
     # background by a shell without job control (`pytest &` in a script) starts with SIGINT
     # ignored, which the child would inherit, and Python then installs no KeyboardInterrupt.
-    proc = subprocess.Popen(  # the third save waits until the workers idle, then up to 30 s
+    proc = subprocess.Popen(  # the third save waits until the workers idle, then for SIGINT
         [sys.executable, "-c", IDLE_AT_SAVE, "2", str(idle), "tokenize", *common],
         cwd=ROOT,
         env=dict(os.environ, PYTHONPATH=str(ROOT)),
