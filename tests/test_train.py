@@ -89,9 +89,10 @@ def losses(out: Path) -> dict[int, float]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict[int, float]:
-    """An uninterrupted 12-step run on mesh (1,2,2,2)."""
+    """An uninterrupted 12-step run on mesh (1,2,2,2) (in this process: the runs compared with
+    it in processes of their own give the same losses bit for bit)."""
     out = tmp_path_factory.mktemp("ref")
-    r = lwm_train(out, "train.steps=12", "train.save_every=3", "mesh.shape=1,2,2,2")
+    r = lwm_train_here(out, "train.steps=12", "train.save_every=3", "mesh.shape=1,2,2,2")
     assert r.returncode == 0, r.stderr
     return losses(out)
 
@@ -101,7 +102,7 @@ def test_loss_falls_with_ring_attention_on_two_meshes(reference, tmp_path):
     (`model.vision_grid`, `model.vision_window`: the loader's extra batch field)."""
     assert sorted(reference) == list(range(1, 13))
     assert reference[12] < reference[1] - 0.3, reference
-    r = lwm_train(
+    r = lwm_train_here(
         tmp_path,
         "train.steps=12",
         "mesh.shape=1,1,4,2",
@@ -308,7 +309,7 @@ def test_kill_9_then_rerun_matches_uninterrupted(reference, tmp_path, kill_after
     assert complete[-1] in (3, 6) and complete[-1] >= saved, complete
     logged = [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert (tmp_path / ".lock").is_file()  # the killed run's, left behind
-    r = lwm_train(tmp_path, *args)
+    r = lwm_train_here(tmp_path, *args)  # the rerun: in this process
     assert r.returncode == 0, r.stderr
     resumed = [int(x) for x in re.findall(r"resumed from checkpoint (\d+)", r.stderr)]
     assert resumed == [complete[-1]], (resumed, complete, r.stderr[-2000:])
@@ -565,7 +566,7 @@ def test_sigterm_saves_then_resumes(reference, tmp_path):
     # resumes from it: a rerun from step 0 logs the same losses
     saved = [p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()]
     assert saved == [str(stopped)], saved
-    r = lwm_train(tmp_path, *args)
+    r = lwm_train_here(tmp_path, *args)  # the rerun: in this process
     assert r.returncode == 0, r.stderr
     assert f"resumed from checkpoint {stopped}" in r.stderr, r.stderr
     got = losses(tmp_path)
