@@ -28,10 +28,11 @@ from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lwm.base.mesh import make_mesh, use_cpu_devices  # noqa: E402
+from lwm.base.mesh import make_mesh  # noqa: E402
 from lwm.config import load_config  # noqa: E402
 from lwm.generate import decode_step, prefill_chunked  # noqa: E402
 from lwm.model import create_model  # noqa: E402
+from lwm.scripting import add_platform_argument, start_platform  # noqa: E402
 
 
 def bench(cfg, sp: int, length: int, chunk: int, steps: int, plan_only: bool = False) -> dict:
@@ -112,13 +113,15 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="compile the prefill and report its memory per device, without running it",
     )
+    add_platform_argument(p, cpu_devices=8)
     args = p.parse_args(argv)
-    use_cpu_devices(8)  # before anything asks JAX for its devices
+    platform = start_platform(args)  # before anything asks JAX for devices
     cfg = load_config(args.config).model
     for sp in (int(s) for s in args.sp.split(",")):
         for length in (int(n) for n in args.lengths.split(",")):
-            result = bench(cfg, sp, length, args.chunk, args.decode, args.plan_only)
-            print(json.dumps(result), flush=True)
+            chunk = min(args.chunk, length)  # a context shorter than a chunk is one chunk
+            result = bench(cfg, sp, length, chunk, args.decode, args.plan_only)
+            print(json.dumps({**result, "platform": platform}), flush=True)
     return 0
 
 

@@ -36,6 +36,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from lwm.scripting import add_platform_argument, start_platform  # noqa: E402
+
 
 def make_dataset(directory: Path, tokens: int, min_len: int, max_len: int, seed: int = 0) -> Path:
     """Records of random lengths holding at least ``tokens`` tokens, in 8 shards."""
@@ -179,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         help="with --device-prefetch, also grain in N worker processes (lwm train's "
         "data.read_processes), on the device ahead in the thread (0: not)",
     )
+    add_platform_argument(p)
     args = p.parse_args(argv)
     if not 0 <= args.step_python_ms <= args.step_ms:
         raise ValueError(f"--step-python-ms {args.step_python_ms} is not in [0, --step-ms]")
@@ -193,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.min_len > args.max_len:
         raise ValueError(f"--min-len {args.min_len} is more than --max-len {args.max_len}")
 
+    platform = start_platform(args)  # where --device-prefetch moves batches
     seq_lens = [int(s) for s in args.seq_lens.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.work or tmp)
@@ -224,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
                     processes=processes,
                     step_python_s=args.step_python_ms / 1e3,
                 )
-                print(json.dumps(row), flush=True)
+                print(json.dumps({**row, "platform": platform}), flush=True)
     return 0
 
 

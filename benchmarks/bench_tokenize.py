@@ -24,6 +24,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from lwm.scripting import add_platform_argument, start_platform  # noqa: E402
+
 
 def make_vqgan(config: str, directory: Path) -> Path:
     from flax import nnx
@@ -52,7 +54,9 @@ def main(argv: list[str] | None = None) -> int:
         help="config of the random VQGAN (default configs/vqgan/tiny.yaml)",
     )
     parser.add_argument("--work", type=Path, help="folder for the videos and outputs")
+    add_platform_argument(parser)
     args = parser.parse_args(argv)
+    platform = start_platform(args)
 
     from data.synthetic import write_dataset
     from data.tokenize_dataset import TokenizeOptions, tokenize_dataset
@@ -80,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         wall = time.perf_counter() - start
         row = {
             "bench": "tokenize",
+            "platform": platform,
             "workers": workers,
             "videos": summary.ok,
             "frames": summary.frames,

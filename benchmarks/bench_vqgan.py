@@ -35,7 +35,7 @@ import jax
 import numpy as np
 
 from lwm.base.mesh import make_mesh
-from lwm.scripting import check_choices
+from lwm.scripting import add_platform_argument, check_choices, start_platform
 from vqgan.config import load_vqgan_config
 from vqgan.model import init_model
 from vqgan.tokenizer import VideoTokenizer
@@ -68,6 +68,7 @@ def main() -> None:
         help="ours vs LWM's architecture, side by side (a config with LWM's 32 GroupNorm "
         "groups, e.g. the default)",
     )
+    add_platform_argument(parser)
     args = parser.parse_args()
     check_choices(
         ("--ops", args.ops, ("encode", "decode")),
@@ -75,6 +76,7 @@ def main() -> None:
     )
     if min(int(b) for b in args.batches.split(",")) < 1 or args.repeats < 1:
         raise ValueError("--batches and --repeats must be at least 1")
+    args.platform = start_platform(args)
     if args.compare_lwm:
         compare_lwm(args)
         return
@@ -89,6 +91,7 @@ def main() -> None:
                 "config": args.config,
                 "resolution": res,
                 "tokens_per_frame": base.tokens_per_frame,
+                "platform": args.platform,
                 "devices": f"{len(jax.devices())} x {jax.devices()[0].device_kind}",
                 "mesh": dict(mesh.shape),
                 "machine": platform.processor() or platform.machine(),
@@ -186,7 +189,8 @@ def compare_lwm(args: argparse.Namespace) -> None:
     for batch in (int(b) for b in args.batches.split(",")):
         frames = np.random.default_rng(0).uniform(-1, 1, (batch, res, res, 3))
         frames = jnp.asarray(frames, jnp.float32)
-        print(json.dumps({"config": args.config, "batch": batch, "compare": "lwm"}), flush=True)
+        head = {"config": args.config, "batch": batch, "compare": "lwm", "platform": args.platform}
+        print(json.dumps(head), flush=True)
         for dtype in args.dtypes.split(","):
             times = _compare_one(base, dtype, frames, args.repeats, ops)
             for op in ops:

@@ -99,3 +99,33 @@ def failed_status(error: BaseException) -> str:
     return (
         f"failed: {name}: {str(error).splitlines()[0][:200]}" if str(error) else f"failed: {name}"
     )
+
+
+def add_platform_argument(parser, cpu_devices: int = 1) -> None:
+    """``--platform`` (and ``--cpu-devices``) as every benchmark script takes them."""
+    from lwm.base.mesh import PLATFORMS
+
+    parser.add_argument(
+        "--platform",
+        choices=PLATFORMS,
+        default="cpu",
+        help="cpu: simulated devices of the host CPU (default); tpu: the TPU chips; gpu: the "
+        "NVIDIA GPUs; auto: what JAX picks",
+    )
+    parser.add_argument(
+        "--cpu-devices",
+        type=int,
+        default=cpu_devices,
+        help=f"simulated devices with --platform cpu (default {cpu_devices})",
+    )
+
+
+def start_platform(args) -> str:
+    """Start JAX on ``args.platform`` (`add_platform_argument`) before anything asks it for
+    devices: a platform that is not there is a `lwm.base.mesh.MeshError` (a ValueError: one
+    line, exit 2, under `lwm.cli.run_reporting_errors`). Returns the platform JAX runs on."""
+    from lwm.base.mesh import use_platform
+
+    if args.cpu_devices < 1:
+        raise ValueError(f"--cpu-devices must be at least 1, not {args.cpu_devices}")
+    return use_platform(args.platform, cpu_devices=args.cpu_devices)
