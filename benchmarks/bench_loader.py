@@ -10,10 +10,12 @@ the GIL as an XLA step does).
     python benchmarks/bench_loader.py --seq-lens 832 --batch 4 --step-ms 10 --step-python-ms 6 \
         --device-prefetch 2 --read-processes 2
 
-``--device-prefetch N`` adds two readers that also move each batch to the default device, as
-`lwm train` does: grain with the transfer in the loop, and grain behind `lwm.train.BatchPrefetch`
-(reading, packing and the transfer in a thread, ``N`` steps ahead); ``--read-processes P`` a
-third, that one with reading and packing in ``P`` worker processes. ``--step-python-ms`` spends
+``--device-prefetch N`` adds readers that also move each batch to the default device, as
+`lwm train` does (its fields in one array, `lwm.train_step.pack_batch`, one transfer): grain
+with the transfer in the loop, and grain behind `lwm.train.BatchPrefetch` (reading, packing and
+the transfer in a thread, ``N`` steps ahead); beside the latter the same with a transfer per
+field (the batch dict, as `lwm train` moved it before); ``--read-processes P`` one more, with
+reading and packing in ``P`` worker processes. ``--step-python-ms`` spends
 part of each step in Python, as a training loop does between steps on a fast chip.
 
 The dataset is made once, untimed, in ``--work`` (default: a temporary folder): records of
@@ -80,7 +82,7 @@ def measure(
     threads: int,
     prefetch: int,
     step_s: float,
-    transfer: bool = False,
+    transfer: str = "",
     device_prefetch: int = 0,
     processes: int = 0,
     step_python_s: float = 0.0,
@@ -89,6 +91,7 @@ def measure(
 
     from data.loader import TokenDatasetLoader
     from lwm.train import BatchPrefetch
+    from lwm.train_step import pack_batch
 
     loader = TokenDatasetLoader(
         path,
@@ -104,7 +107,8 @@ def measure(
         local = next(loader)
         if not transfer:
             return local
-        return jax.block_until_ready(jax.device_put(local, device)), loader.state()
+        moved = jax.device_put(pack_batch(local) if transfer == "packed" else local, device)
+        return jax.block_until_ready(moved), loader.state()
 
     take()  # plans the epoch and starts grain's threads: not timed
     t0 = time.perf_counter()
@@ -130,6 +134,8 @@ def measure(
     reader = f"grain, {threads} threads, {prefetch} ahead" if threads else "plain (no grain)"
     if processes:
         reader = f"grain, {processes} worker processes of {max(threads, 1)} threads"
+    if transfer:
+        reader += ", one transfer" if transfer == "packed" else ", a transfer per field"
     if device_prefetch:
         reader += f", on the device {device_prefetch} steps ahead in a thread"
     elif transfer:
@@ -206,14 +212,16 @@ def main(argv: list[str] | None = None) -> int:
             path = work / f"tokens-{seq_len}"
             if not path.exists():
                 make_dataset(path, tokens, args.min_len, args.max_len)
-            readers = [(0, False, 0, 0), (args.threads, False, 0, 0)]
+            readers = [(0, "", 0, 0), (args.threads, "", 0, 0)]
             if args.device_prefetch:
+                ahead = args.device_prefetch
                 readers += [
-                    (args.threads, True, 0, 0),
-                    (args.threads, True, args.device_prefetch, 0),
+                    (args.threads, "packed", 0, 0),
+                    (args.threads, "packed", ahead, 0),
+                    (args.threads, "fields", ahead, 0),
                 ]
                 if args.read_processes:
-                    readers.append((args.threads, True, args.device_prefetch, args.read_processes))
+                    readers.append((args.threads, "packed", ahead, args.read_processes))
             for threads, transfer, ahead, processes in readers:
                 row = measure(
                     path,

@@ -48,6 +48,8 @@ from lwm.train_step import (
     batch_sharding,
     jit_train_step,
     optimizer_from_config,
+    pack_batch,
+    packed_batch_sharding,
     row_orders,
 )
 
@@ -245,6 +247,7 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
                 grad_accum=tc.grad_accum,
                 rows=rows,
                 reach=reach,
+                packed_batch=not _many_processes(),  # `next_batch`'s one array
             )
         return steps[rows, reach]
 
@@ -271,6 +274,7 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
         bar = tqdm(total=tc.steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
 
     bsharding = batch_sharding(mesh)
+    packed_sharding = packed_batch_sharding(mesh)
     global_shape = (tc.batch_size, seq_len)
     # dispatched steps whose metrics are not yet checked, with the time each waited for its
     # batch, the time that batch took to make, and its rows' order
@@ -339,8 +343,8 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
         """Batch ``step`` on the devices, its rows' schedule and the loader's state after it
         (what a checkpoint of that step keeps): made in `BatchPrefetch`'s thread."""
         local = next(loader)
-        if not _many_processes():  # every array in one transfer
-            batch = jax.device_put(local, bsharding)
+        if not _many_processes():  # every field in one array, one transfer
+            batch = jax.device_put(pack_batch(local), packed_sharding)
         else:
             batch = {
                 k: jax.make_array_from_process_local_data(

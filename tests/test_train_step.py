@@ -476,6 +476,63 @@ def test_row_orders_follow_the_kernel_and_the_mesh(monkeypatch):
     assert chooses == {"float32": False, "bfloat16": True}
 
 
+def _text_batch(seq: int, vision_from: int | None = None) -> dict:
+    """Two rows of random tokens (vision codes from ``vision_from`` on) with their targets."""
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 256, (2, seq)).astype(np.int32)
+    vision = np.zeros((2, seq), bool)
+    if vision_from is not None:
+        vision[:, vision_from:] = True
+    t = next_token_targets(tokens, vision, rng.uniform(0.5, 2, (2, seq)).astype(np.float32))
+    return dict(
+        tokens=tokens,
+        vision_mask=vision,
+        frame_cells=frame_cells(tokens, vision),
+        positions=np.tile(np.arange(seq), (2, 1)).astype(np.int32),
+        segment_ids=np.ones((2, seq), np.int32),
+        target_tokens=t.tokens,
+        target_is_vision=t.is_vision,
+        target_weight=t.weight,
+    )
+
+
+def test_a_packed_batch_is_the_batch_bit_for_bit():
+    """`lwm train` moves a batch as one int32 array (`pack_batch`, one transfer instead of one
+    per field); unpacked in the step it is every field again, with its dtype and bits (float32
+    weights included), the window field too; and the step given it equals the step given the
+    dict, to the bit, on a sharded mesh."""
+    from data.batches import BATCH_FIELDS, WINDOW_FIELD
+    from lwm.train_step import jit_train_step, pack_batch, packed_batch_sharding, unpack_batch
+
+    batch = _text_batch(64, vision_from=40)
+    window = np.random.default_rng(1).integers(-1, 64, (2, 64, 3)).astype(np.int32)
+    for local in (batch, {**batch, WINDOW_FIELD: window}):
+        back = jax.jit(unpack_batch)(pack_batch(local))
+        assert set(back) == set(local)
+        for k, v in local.items():
+            assert back[k].dtype == np.dtype(BATCH_FIELDS.get(k, np.int32)), k
+            np.testing.assert_array_equal(np.asarray(back[k]), v)
+
+    cfg = load_config("configs/debug.yaml").model
+    mesh = make_mesh("1,2,2,2")
+    tx, _ = make_optimizer(1e-2, warmup_steps=1, total_steps=10)
+    _, abs_params, abs_opt = abstract_train_state(cfg, mesh, tx)
+    runs = []
+    for packed in (False, True):
+        graphdef, params = nnx.split(create_model(cfg, mesh=mesh), nnx.Param)
+        opt_state = jax.jit(tx.init, out_shardings=jax.tree.map(lambda x: x.sharding, abs_opt))(
+            params
+        )
+        step = jit_train_step(graphdef, tx, mesh, abs_params, abs_opt, packed_batch=packed)
+        given = jax.device_put(pack_batch(batch), packed_batch_sharding(mesh)) if packed else batch
+        for _ in range(2):
+            params, opt_state, metrics = step(params, opt_state, given)
+        runs.append((float(metrics["loss"]), params))
+    assert runs[0][0] == runs[1][0]
+    for a, b in zip(jax.tree.leaves(runs[0][1]), jax.tree.leaves(runs[1][1]), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_optimizer_state_kept_on_the_host_gives_the_same_steps():
     """`train.offload_optimizer`: the state lives in pinned host memory between steps (the
     step's inputs and outputs say so) and the steps equal those with it on the devices."""
@@ -484,20 +541,7 @@ def test_optimizer_state_kept_on_the_host_gives_the_same_steps():
     cfg = load_config("configs/debug.yaml").model
     mesh = make_mesh("1,2,2,2")
     tx, _ = make_optimizer(1e-2, warmup_steps=1, total_steps=10)
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, 256, (2, 64)).astype(np.int32)
-    vision = np.zeros((2, 64), bool)
-    t = next_token_targets(tokens, vision, np.ones((2, 64), np.float32))
-    batch = dict(
-        tokens=tokens,
-        vision_mask=vision,
-        frame_cells=frame_cells(tokens, vision),
-        positions=np.tile(np.arange(64), (2, 1)).astype(np.int32),
-        segment_ids=np.ones((2, 64), np.int32),
-        target_tokens=t.tokens,
-        target_is_vision=t.is_vision,
-        target_weight=t.weight,
-    )
+    batch = _text_batch(64)
     runs = {}
     for offload in (False, True):
         graphdef, params = nnx.split(create_model(cfg, mesh=mesh), nnx.Param)
