@@ -191,7 +191,11 @@ def _query_block(q_ref, seq_minor: bool, scale: float) -> jax.Array:
     ``scale`` and rounded back to its dtype, as splash attention and MaxText scale q: once per
     block instead of on every ``[bq, bk]`` tile of scores (the forward is bound by the vector
     unit, so one pass fewer per tile is measurably faster)."""
-    q = q_ref[...].T if seq_minor else q_ref[...]
+    return _scaled(q_ref[...].T if seq_minor else q_ref[...], scale)
+
+
+def _scaled(q: jax.Array, scale: float) -> jax.Array:
+    """``q * scale`` rounded back to ``q``'s dtype: the query every kernel's scores take."""
     return (q.astype(F32) * scale).astype(q.dtype)
 
 
@@ -323,8 +327,8 @@ def flash_chunk(
         has_seg=qs.seg is not None,
         seq_minor=seq_minor,
     )
-    scratch = [pltpu.VMEM((bq, LANES), F32), pltpu.VMEM((bq, LANES), F32), pltpu.VMEM((bq, d), F32)]
-    scratch.append(pltpu.VMEM((bq, d), qs.q.dtype))  # the scaled query block
+    stats = pltpu.VMEM((bq, LANES), F32)  # the running max and sum
+    scratch = [stats, stats, pltpu.VMEM((bq, d), F32), pltpu.VMEM((bq, d), qs.q.dtype)]  # acc, q
     out, lse = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -460,8 +464,7 @@ def _dkv_kernel(
 
     def compute(masked: bool) -> None:
         q, do = q_ref[...], do_ref[...]
-        # the scaled query block, as the forward's: dK = dS^T (q * scale) needs no scale
-        q = (q.astype(F32) * scale).astype(q.dtype)
+        q = _scaled(q, scale)  # as the forward's: dK = dS^T (q * scale) needs no scale
         refs = (qp_ref, kp_ref, qs_ref, ks_ref)
         if seq_minor:
             # [bk, bq] tiles: [bk, d] x [d, bq]; the statistics broadcast as [1, bq] rows
@@ -509,8 +512,7 @@ def bwd_chunk(
     common = dict(scale=spec.scale, causal=spec.causal, has_seg=has_seg, seq_minor=seq_minor)
 
     q_spec, q_row, kv_spec, tokens, token_specs = _grid_specs(qs, kv, False, head_major, seq_minor)
-    scratch = [pltpu.VMEM((bq, d), F32)]
-    scratch.append(pltpu.VMEM((bq, d), qs.q.dtype))  # the scaled query block
+    scratch = [pltpu.VMEM((bq, d), F32), pltpu.VMEM((bq, d), qs.q.dtype)]  # dQ, scaled q
     if seq_minor:
         scratch.append(pltpu.VMEM((bq, d), do.dtype))
     dq_c = pl.pallas_call(
