@@ -105,9 +105,9 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 def pack_batch(local: dict) -> np.ndarray:
     """A host batch (the fields of `BATCH_FIELDS`, and `WINDOW_FIELD`'s ``[batch, seq, K]``
     when present) as one int32 array ``[fields (+ K), batch, seq]``: moved to the devices in
-    one transfer instead of one per field (on a 2-core host 0.09 ms against 0.37 ms for the
-    demo's batch; the transfer thread's time per batch is `lwm train`'s ``data_make_s``).
-    Booleans become 0/1, float32 keeps its bits; `unpack_batch` inverts it in the step."""
+    one transfer instead of one per field (`benchmarks/bench_loader.py --device-prefetch`
+    measures both). Booleans become 0/1, float32 keeps its bits; `unpack_batch` inverts it in
+    the step."""
     rows = [
         np.asarray(local[k], np.float32).view(np.int32)
         if dt == np.float32
@@ -136,7 +136,7 @@ def unpack_batch(packed: jax.Array) -> dict:
 
 def packed_batch_sharding(mesh: Mesh) -> NamedSharding:
     """`batch_sharding` of a `pack_batch` array (its leading axis whole on every device)."""
-    return NamedSharding(mesh, P(None, *logical_to_spec(("batch", "length"))))
+    return NamedSharding(mesh, P(None, *batch_sharding(mesh).spec))
 
 
 def loss_fn(
