@@ -233,6 +233,11 @@ class TrainConfig(BaseModel):
     # alike start alike (lwm.train.codebook_embeddings); not applied with init_from
     vision_embed_init: Literal["random", "codebook"] = "random"
     log_every: PositiveInt = 10
+    # Fetch the metrics of the steps dispatched so far every this many steps (and at every
+    # logged step, checkpoint and evaluation), in one transfer: the loop dispatches that many
+    # steps ahead of the devices instead of waiting for each step's loss. A non-finite loss
+    # stops the run at the next fetch (before any checkpoint is written); 1: after every step
+    fetch_every: PositiveInt = 10
     save_every: PositiveInt = 100
     max_to_keep: PositiveInt = 3
     async_save: bool = True

@@ -66,6 +66,7 @@ NOTES = {
     "lm:train.text_loss_weight": "weight of the text loss in LWM's modality-balanced loss",
     "lm:train.vision_loss_weight": "weight of the vision loss in LWM's modality-balanced loss",
     "lm:train.log_every": "steps between metric lines (metrics.jsonl, TensorBoard)",
+    "lm:train.fetch_every": "steps between fetches of the metrics (the loop runs that far ahead; a non-finite loss stops at the next)",
     "lm:train.save_every": "steps between checkpoints",
     "lm:train.max_to_keep": "checkpoints kept",
     "lm:train.async_save": "write checkpoints in the background",

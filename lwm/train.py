@@ -285,15 +285,19 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
     window = {"t": time.perf_counter(), "wait": 0.0, "made": 0.0, "checked": 0, "rows": []}
 
     def check(upto: int) -> None:
-        """Fetch metrics of dispatched steps <= upto; stop on a non-finite loss; log."""
+        """Fetch the metrics of dispatched steps <= upto in one transfer; stop on a non-finite
+        loss; log. ``upto`` is never past a step to log that is still pending (the loop checks
+        at each), so a line's time is that of the steps up to it."""
         nonlocal pending
-        while pending and pending[0][0] <= upto:
-            step, (keys, packed), waited, made, rows = pending.pop(0)
+        due = [p for p in pending if p[0] <= upto]
+        pending = pending[len(due) :]
+        fetched = jax.device_get([packed for _, (_, packed), *_ in due])
+        for (step, (keys, _), waited, made, rows), values in zip(due, fetched, strict=True):
             window["wait"] += waited
             window["made"] += made
             window["checked"] += 1
             window["rows"].append(rows)
-            host = dict(zip(keys, jax.device_get(packed).tolist(), strict=True))
+            host = dict(zip(keys, values.tolist(), strict=True))
             if not math.isfinite(host["loss"]):
                 where = (
                     f"checkpoint {last_good_save}"
@@ -310,7 +314,7 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
                     f"in model.loss_positions={model_cfg.loss_positions}; raise it (or set 0)"
                 )
             if bar is not None:
-                bar.set_postfix(loss=f"{host['loss']:.4f}")
+                bar.set_postfix(loss=f"{host['loss']:.4f}", refresh=False)  # drawn by update
             if step % tc.log_every == 0 or step == tc.steps:
                 now = time.perf_counter()
                 # over the steps fetched since the line before (not those dispatched: one more
@@ -388,7 +392,9 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
                 raise TrainingError(message) from None
             batches.taken()
             pending.append((step, packed_metrics(metrics), waited, batches.made_s, rows))
-            check(step - 1)  # the previous step, so this one keeps running meanwhile
+            done = step - 1  # fetched while this step runs
+            if done % tc.fetch_every == 0 or done % tc.log_every == 0:
+                check(done)
             if bar is not None:
                 bar.update(1)
             if tracing and step == profile[-1]:

@@ -138,10 +138,11 @@ def test_loss_falls_with_ring_attention_on_two_meshes(reference, tmp_path):
 def test_step_time_is_the_mean_of_the_steps_each_logged_window_holds(tmp_path, monkeypatch):
     """`step_time_s` (and so tokens/s and MFU) of a logged line is the time since the line
     before over the steps between them, whether the line is logged while the next step runs
-    or at a checkpoint (a save step, the last step). A fake clock advances one second as each
-    step's metrics arrive, so every window after the first (which holds the compile) is 1 s a
-    step; counting the steps dispatched instead made it 4/3 s at a save, 4/5 s after it and
-    2 s at the last step."""
+    or at a checkpoint (a save step, the last step), and whether the metrics are fetched every
+    step or several steps at once (`train.fetch_every`, here 1 and 3: the loop also fetches at
+    each step it logs). A fake clock advances one second as each step's metrics arrive, so
+    every window after the first (which holds the compile) is 1 s a step; counting the steps
+    dispatched instead made it 4/3 s at a save, 4/5 s after it and 2 s at the last step."""
     from types import SimpleNamespace
 
     import jax
@@ -152,20 +153,23 @@ def test_step_time_is_the_mean_of_the_steps_each_logged_window_holds(tmp_path, m
     real_get = jax.device_get
 
     def device_get(x):
-        if isinstance(x, jax.Array) and x.ndim == 1:  # a step's metrics: that step has finished
-            clock[0] += 1.0
+        # a list of steps' metrics: those steps have finished
+        if isinstance(x, list) and all(isinstance(a, jax.Array) and a.ndim == 1 for a in x):
+            clock[0] += len(x)
         return real_get(x)
 
     monkeypatch.setattr(jax, "device_get", device_get)
     monkeypatch.setattr(lt, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
     args = ("train.steps=14", "train.log_every=4", "train.save_every=8", "mesh.shape=1,2,2,2")
-    r = lwm_train_here(tmp_path, *args)
-    assert r.returncode == 0, r.stderr
-    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [4, 8, 12, 14]
-    for r in records[1:]:
-        assert r["step_time_s"] == pytest.approx(1.0), r
-        assert r["tokens_per_s"] == pytest.approx(2 * 64), r
+    for fetch_every in (1, 3):
+        out = tmp_path / str(fetch_every)
+        r = lwm_train_here(out, *args, f"train.fetch_every={fetch_every}")
+        assert r.returncode == 0, r.stderr
+        records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in records] == [4, 8, 12, 14]
+        for r in records[1:]:
+            assert r["step_time_s"] == pytest.approx(1.0), (fetch_every, r)
+            assert r["tokens_per_s"] == pytest.approx(2 * 64), (fetch_every, r)
 
 
 def test_each_batch_runs_the_step_compiled_for_its_rows(tmp_path, monkeypatch):
@@ -534,20 +538,30 @@ def test_a_resume_with_other_settings_says_so_and_keeps_the_old_config(tmp_path)
 
 
 def test_non_finite_loss_stops_naming_the_step(tmp_path):
-    r = lwm_train_here(
-        tmp_path,
-        "train.steps=8",
-        "train.save_every=2",
-        "mesh.shape=1,2,2,2",
-        "train.learning_rate=1e30",
-        "train.clip_norm=null",
-    )
-    assert r.returncode == 1
-    line = r.stderr.strip().splitlines()[-1]
-    assert line.startswith("lwm train: error: loss is nan at step") and "Traceback" not in r.stderr
-    bad_step = int(line.split("at step ")[1].split(";")[0])
-    saved = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
-    assert all(s < bad_step for s in saved)
+    """The first step whose loss is NaN is named, and no checkpoint of it or after it is
+    written, whether metrics are fetched after every step or five at a time (logged every 4)."""
+    bad = {}
+    for fetch in ("train.fetch_every=1", "train.fetch_every=5"):
+        out = tmp_path / fetch
+        r = lwm_train_here(
+            out,
+            "train.steps=8",
+            "train.save_every=2",
+            "mesh.shape=1,2,2,2",
+            "train.learning_rate=1e30",
+            "train.clip_norm=null",
+            fetch,
+            *(["train.log_every=4"] if fetch.endswith("5") else []),
+        )
+        assert r.returncode == 1
+        line = r.stderr.strip().splitlines()[-1]
+        assert line.startswith("lwm train: error: loss is nan at step"), line
+        assert "Traceback" not in r.stderr
+        bad[fetch] = int(line.split("at step ")[1].split(";")[0])
+        kept = out / "checkpoints"
+        saved = [int(p.name) for p in kept.iterdir() if p.name.isdigit()] if kept.exists() else []
+        assert all(s < bad[fetch] for s in saved), (fetch, saved)
+    assert len(set(bad.values())) == 1, bad
 
 
 def test_sigterm_saves_then_resumes(reference, tmp_path):
