@@ -76,8 +76,9 @@ from lwm.attention import (
     ring_attention,
 )
 from lwm.attention.layout import ring_block_size, zigzag_permutation
-from lwm.base.mesh import PLATFORMS, MeshError, use_platform
+from lwm.base.mesh import MeshError
 from lwm.cli import note_failure
+from lwm.scripting import add_platform_argument, start_platform
 
 # The case's shape; on a GPU (``--platform gpu``) main() sets the devices JAX sees, and the
 # defaults become LWM-7B's attention (32 heads of 128) in bfloat16.
@@ -968,19 +969,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=4096,
         help="sequence length of the efficiency part (default 4096)",
     )
-    p.add_argument(
-        "--platform",
-        choices=PLATFORMS,
-        default="cpu",
-        help="cpu: 8 simulated devices (default); tpu: the TPU chips JAX sees (one chip: ours "
-        "against splash and flash attention); gpu: the NVIDIA GPUs; auto: what JAX picks",
-    )
-    p.add_argument(
-        "--cpu-devices",
-        type=int,
-        default=8,
-        help="simulated devices with --platform cpu (default 8; 1 runs what one GPU runs)",
-    )
+    add_platform_argument(p, cpu_devices=8)  # --cpu-devices 1 runs what one GPU runs
     p.add_argument("--heads", type=int, help="query heads (default 8 on cpu, 32 on an accelerator)")
     p.add_argument(
         "--kv-heads",
@@ -1054,10 +1043,8 @@ def check_args(args: argparse.Namespace, devices: int) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     global PLATFORM, DEVICES, HEADS, KV_HEADS, HEAD_DIM, DOC_LEN, DTYPE, KERNEL
     args = parse_args(argv)
-    if args.cpu_devices < 1:
-        raise ValueError(f"--cpu-devices must be at least 1, not {args.cpu_devices}")
     try:  # before JAX has devices
-        PLATFORM = use_platform(args.platform, cpu_devices=args.cpu_devices)
+        PLATFORM = start_platform(args)
     except MeshError as e:
         raise SystemExit(f"bench_attention: error: {e}") from None
     if args.impls is None:
