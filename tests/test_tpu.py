@@ -305,3 +305,21 @@ def test_lwm_train_runs_on_the_chip(tmp_path, capsys):
         if "loss" in json.loads(line)
     ]
     assert losses and all(np.isfinite(losses)), losses
+
+
+def test_the_vqgans_random_draws_are_the_cpus():
+    """The VQGAN's training draws its dead-code restarts from `vqgan.train._key`: on the chip
+    the same bits as on the host's CPU, so that a seed trains the same VQGAN on either, up to
+    the rounding of their arithmetic (with "rbg" keys the backends drew different bits)."""
+    from vqgan.train import _key
+
+    def draws(device):
+        with jax.default_device(device):
+            key = jax.random.fold_in(_key(0), 7)
+            picks = jax.random.randint(key, (256,), 0, 10_000)
+            return np.asarray(picks), np.asarray(jax.random.bits(key, (64, 8)))
+
+    on_chip, on_cpu = draws(jax.devices()[0]), draws(jax.devices("cpu")[0])
+    assert jax.devices()[0].platform == "tpu"
+    for a, b in zip(on_chip, on_cpu, strict=True):
+        np.testing.assert_array_equal(a, b)

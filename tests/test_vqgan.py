@@ -460,7 +460,11 @@ def test_tokenizer_batched_sharded_round_trip(trained: tuple[Path, Path]) -> Non
     # Decoded as the unsharded model decodes the same codes (`decode_codes`, then uint8).
     frames_of = nnx.jit(lambda m, c: postprocess(m.decode_codes(c)))
     direct = np.asarray(frames_of(model, jnp.asarray(codes.reshape(10, 8, 8))))
-    assert np.array_equal(decoded, direct.reshape(2, 5, 16, 16, 3))
+    # up to float rounding: one frame per device and ten on one device may take different
+    # convolution kernels, and a value on a rounding boundary then lands 1 apart in uint8 (one
+    # channel of 7,680 with the weights of the threefry-keyed training)
+    apart = np.abs(decoded.astype(int) - direct.reshape(2, 5, 16, 16, 3).astype(int))
+    assert apart.max() <= 1 and np.count_nonzero(apart) <= 8, np.count_nonzero(apart)
     # Chunking and padding do not change results: one video at a time gives the same.
     assert np.array_equal(tok.decode(codes[1:]), decoded[1:])
     assert np.array_equal(tok.encode(frames[:1]), codes[:1])
