@@ -133,8 +133,8 @@ def _train_json(cfg: VQGANConfig) -> str:
 def _key(seed: int) -> jax.Array:
     """The training's random key (dead-code restarts draw from it). Threefry: the same random
     bits on a CPU, a GPU and a TPU, as JAX documents them; "rbg" keys (XLA's RngBitGenerator),
-    used here before, draw other bits on each backend, so the same command trained another
-    VQGAN on a TPU than on a CPU."""
+    used here before, draw other bits on each backend, so the same command restarted other
+    codes on a TPU than on a CPU."""
     return jax.random.key(seed, impl="threefry2x32")
 
 
