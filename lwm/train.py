@@ -222,7 +222,10 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
     # reach that the loader's plan gives alike on every host (`last_look_back`), which each
     # host checks against its own rows.
     orders = row_orders(model_cfg, mesh)
-    on_host = len(orders) > 1 and not _many_processes()
+    # one process checks rows on the host and moves a batch as `pack_batch`'s one array (one
+    # transfer); many processes each give their rows of every field (`next_batch`)
+    one_process = not _many_processes()
+    on_host = len(orders) > 1 and one_process
     planned = not on_host and "in_order" in orders and hasattr(loader, "last_look_back")
     order_layout = sequence_layout(model_cfg, sp)
     steps: dict[tuple[str | None, int], object] = {}
@@ -247,7 +250,7 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
                 grad_accum=tc.grad_accum,
                 rows=rows,
                 reach=reach,
-                packed_batch=not _many_processes(),  # `next_batch`'s one array
+                packed_batch=one_process,
             )
         return steps[rows, reach]
 
@@ -347,7 +350,7 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
         """Batch ``step`` on the devices, its rows' schedule and the loader's state after it
         (what a checkpoint of that step keeps): made in `BatchPrefetch`'s thread."""
         local = next(loader)
-        if not _many_processes():  # every field in one array, one transfer
+        if one_process:  # every field in one array, one transfer
             batch = jax.device_put(pack_batch(local), packed_sharding)
         else:
             batch = {
