@@ -17,6 +17,7 @@ order (``rows_*``, `lwm.model.ROW_ORDERS`: each order runs a step compiled for i
 
 from __future__ import annotations
 
+import functools
 import math
 import queue
 import sys
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -249,7 +251,6 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
                 rows=rows,
                 reach=reach,
                 packed_batch=one_process,
-                stacked_metrics=True,
             )
         return steps[rows, reach]
 
@@ -280,7 +281,7 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
     global_shape = (tc.batch_size, seq_len)
     # dispatched steps whose metrics are not yet checked, with the time each waited for its
     # batch, the time that batch took to make, and its rows' order
-    pending: list[tuple[int, tuple[list[str], jax.Array], float, float, str | None]] = []
+    pending: list[tuple[int, tuple[tuple[str, ...], jax.Array], float, float, str | None]] = []
     last_good_save = resumed[0] if resumed is not None else None
     # the steps fetched since the last logged line: their time, data waits, batches' making
     # times and rows' orders
@@ -387,14 +388,13 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
             batch, rows, reach, loader_state = batches.get()
             waited = time.perf_counter() - t_data
             try:
-                train_step = step_for(rows, reach)
-                params, opt_state, metrics = train_step(params, opt_state, batch)
+                params, opt_state, metrics = step_for(rows, reach)(params, opt_state, batch)
             except Exception as e:  # XLA's out-of-memory is a page of text: one line instead
                 if (message := out_of_memory(e, tc.batch_size, seq_len)) is None:
                     raise
                 raise TrainingError(message) from None
             batches.taken()
-            pending.append((step, (train_step.names, metrics), waited, batches.made_s, rows))
+            pending.append((step, packed_metrics(metrics), waited, batches.made_s, rows))
             done = step - 1  # fetched while this step runs
             if done % tc.fetch_every == 0 or done % tc.log_every == 0:
                 check(done)
@@ -464,6 +464,18 @@ def on_host_cpu(schedule):
             return float(schedule(step))
 
     return rate
+
+
+@functools.cache
+def _stacker(keys: tuple[str, ...]):
+    return jax.jit(lambda m: jnp.stack([m[k].astype(jnp.float32) for k in keys]))
+
+
+def packed_metrics(metrics: dict) -> tuple[tuple[str, ...], jax.Array]:
+    """A step's scalar ``metrics`` as their names and one float32 vector on the devices, so
+    that the host fetches them in one transfer instead of one per metric."""
+    keys = tuple(sorted(metrics))
+    return keys, _stacker(keys)(metrics)
 
 
 class BatchPrefetch:

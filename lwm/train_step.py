@@ -460,37 +460,31 @@ def jit_train_step(
     rows: str | None = None,
     reach: int = 0,
     packed_batch: bool = False,
-    stacked_metrics: bool = False,
 ):
     """The jitted training step `lwm train` runs, and the one `tools/aot_compile.py` and
     `benchmarks/bench_train.py` compile: parameters and optimizer state keep the shardings their
     leaves carry in ``params`` / ``opt_state`` (abstract ones from `abstract_train_state`),
     the batch is sharded by `batch_sharding`, and both state buffers are donated. ``rows``,
     ``reach``: what is known of the batches' rows it is for (`train_step`); ``packed_batch``:
-    the batch comes as `pack_batch`'s one array (sharded by `packed_batch_sharding`);
-    ``stacked_metrics``: the metrics come back as one float32 vector (`StackedMetricsStep`)."""
+    the batch comes as `pack_batch`'s one array (sharded by `packed_batch_sharding`)."""
     param_shardings = jax.tree.map(lambda x: x.sharding, params)
     opt_shardings = jax.tree.map(lambda x: x.sharding, opt_state)
     on_host = any(s.memory_kind == HOST_MEMORY for s in jax.tree.leaves(opt_shardings))
     opt_device = (
         jax.tree.map(lambda s: s.with_memory_kind("device"), opt_shardings) if on_host else None
     )
-    step = functools.partial(  # named train_step in profiles and compiler dumps
-        train_step,
-        graphdef=graphdef,
-        tx=tx,
-        weights=weights,
-        grad_accum=grad_accum,
-        mesh=mesh,
-        rows=rows,
-        reach=reach,
-        opt_device=opt_device,
-    )
-    names: list[str] = []
-    if stacked_metrics:
-        step = _stack_metrics(step, names)
-    jitted = jax.jit(
-        step,
+    return jax.jit(
+        functools.partial(  # named train_step in profiles and compiler dumps
+            train_step,
+            graphdef=graphdef,
+            tx=tx,
+            weights=weights,
+            grad_accum=grad_accum,
+            mesh=mesh,
+            rows=rows,
+            reach=reach,
+            opt_device=opt_device,
+        ),
         in_shardings=(
             param_shardings,
             opt_shardings,
@@ -499,30 +493,3 @@ def jit_train_step(
         out_shardings=(param_shardings, opt_shardings, NamedSharding(mesh, P())),
         donate_argnums=(0, 1),
     )
-    return StackedMetricsStep(jitted, names) if stacked_metrics else jitted
-
-
-def _stack_metrics(step, names: list[str]):
-    """``step`` returning its metrics stacked in one float32 vector, their names (sorted) into
-    ``names`` when traced."""
-
-    def stacked(params, opt_state, batch):
-        params, opt_state, metrics = step(params, opt_state, batch)
-        names[:] = sorted(metrics)
-        return params, opt_state, jnp.stack([metrics[k].astype(jnp.float32) for k in names])
-
-    stacked.__name__ = stacked.__qualname__ = "train_step"  # as profiles name the step
-    return stacked
-
-
-class StackedMetricsStep:
-    """A jitted train step whose metrics come back as one float32 vector, stacked inside the
-    step (one program a step, not a second one to gather the scalars for one transfer).
-    ``names``: the metrics in the vector's order, the sorted keys of `train_step`'s metrics,
-    set when the step is traced (its first call): fixed by the configuration, not the data."""
-
-    def __init__(self, jitted, names: list[str]) -> None:
-        self.jitted, self.names = jitted, names
-
-    def __call__(self, params, opt_state, batch):
-        return self.jitted(params, opt_state, batch)

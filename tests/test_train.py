@@ -355,13 +355,27 @@ def test_profiled_run_writes_a_trace_of_its_steps_and_trains_the_same(reference,
     assert losses(tmp_path) == reference
 
 
-def test_the_learning_rate_comes_from_the_host_cpu():
-    """The loop computes the schedule's learning rate on the host's CPU (not as small programs
-    on the accelerator), giving the schedule's values."""
+def test_metrics_come_back_in_one_transfer_and_the_rate_from_the_host_cpu():
+    """The loop's two host-side shortcuts give the values they replace: each metric under its
+    own name (sorted, cast to float32 on the devices), and the schedule's learning rate."""
+    import jax.numpy as jnp
+
     from lwm.config import TrainConfig
-    from lwm.train import on_host_cpu
+    from lwm.train import on_host_cpu, packed_metrics
     from lwm.train_step import optimizer_from_config
 
+    metrics = {
+        "loss": jnp.float32(2.5),
+        "text_tokens": jnp.int32(7),
+        "grad_norm": jnp.float32(0.25),
+    }
+    keys, packed = packed_metrics(metrics)
+    assert keys == ("grad_norm", "loss", "text_tokens")
+    assert dict(zip(keys, np.asarray(packed).tolist(), strict=True)) == {
+        "grad_norm": 0.25,
+        "loss": 2.5,
+        "text_tokens": 7.0,
+    }
     _, schedule = optimizer_from_config(TrainConfig(steps=50, warmup_steps=10))
     rate = on_host_cpu(schedule)
     assert [rate(s) for s in (0, 5, 10, 30, 49)] == [float(schedule(s)) for s in (0, 5, 10, 30, 49)]

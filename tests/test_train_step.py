@@ -500,8 +500,7 @@ def test_a_packed_batch_is_the_batch_bit_for_bit():
     """`lwm train` moves a batch as one int32 array (`pack_batch`, one transfer instead of one
     per field); unpacked in the step it is every field again, with its dtype and bits (float32
     weights included), the window field too; and the step given it equals the step given the
-    dict, to the bit, on a sharded mesh; so does the step that stacks its metrics into one
-    vector (`lwm train`'s one program a step), each under its name."""
+    dict, to the bit, on a sharded mesh."""
     from data.batches import BATCH_FIELDS, WINDOW_FIELD
     from lwm.train_step import jit_train_step, pack_batch, packed_batch_sharding, unpack_batch
 
@@ -519,34 +518,19 @@ def test_a_packed_batch_is_the_batch_bit_for_bit():
     tx, _ = make_optimizer(1e-2, warmup_steps=1, total_steps=10)
     _, abs_params, abs_opt = abstract_train_state(cfg, mesh, tx)
     runs = []
-    for packed, stacked in ((False, False), (True, False), (True, True)):
+    for packed in (False, True):
         graphdef, params = nnx.split(create_model(cfg, mesh=mesh), nnx.Param)
         opt_state = jax.jit(tx.init, out_shardings=jax.tree.map(lambda x: x.sharding, abs_opt))(
             params
         )
-        step = jit_train_step(
-            graphdef,
-            tx,
-            mesh,
-            abs_params,
-            abs_opt,
-            packed_batch=packed,
-            stacked_metrics=stacked,
-        )
+        step = jit_train_step(graphdef, tx, mesh, abs_params, abs_opt, packed_batch=packed)
         given = jax.device_put(pack_batch(batch), packed_batch_sharding(mesh)) if packed else batch
         for _ in range(2):
             params, opt_state, metrics = step(params, opt_state, given)
-        if stacked:  # one float32 vector, named by the step in sorted order
-            assert metrics.shape == (len(step.names),) and metrics.dtype == np.float32
-            metrics = dict(zip(step.names, np.asarray(metrics).tolist(), strict=True))
-        else:
-            metrics = {k: float(np.float32(v)) for k, v in metrics.items()}
-        runs.append((metrics, params))
-    assert list(runs[2][0]) == sorted(runs[0][0]) and {"loss", "grad_norm"} <= set(runs[0][0])
-    for metrics, params in runs[1:]:
-        assert metrics == runs[0][0]
-        for a, b in zip(jax.tree.leaves(runs[0][1]), jax.tree.leaves(params), strict=True):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        runs.append((float(metrics["loss"]), params))
+    assert runs[0][0] == runs[1][0]
+    for a, b in zip(jax.tree.leaves(runs[0][1]), jax.tree.leaves(runs[1][1]), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_optimizer_state_kept_on_the_host_gives_the_same_steps():
