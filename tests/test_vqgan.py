@@ -25,6 +25,7 @@ from vqgan.preprocess import postprocess, preprocess, resize_and_crop, resized_s
 from vqgan.quantizer import (
     VectorQuantizer,
     code_counts,
+    nearest_codes,
     restart_dead_codes,
     update_usage,
     usage_stats,
@@ -138,6 +139,21 @@ def test_quantizer_straight_through_and_losses() -> None:
     assert (
         float(jnp.abs(g_cm[0]["embeddings"][...]).max()) == 0 and float(jnp.abs(g_cm[1]).max()) > 0
     )
+
+
+def test_nearest_codes_are_exact_where_rounded_products_are_not() -> None:
+    """The code search finds the float64 nearest code for latents near the boundary of two
+    codes (its products float32-exact, on a TPU too), where products of operands rounded to
+    bfloat16 (what a TPU computes at its default precision) pick another code for many."""
+    from tokenize_helpers import near_tie_latents
+
+    z, emb, nearest = near_tie_latents()
+    np.testing.assert_array_equal(
+        np.asarray(nearest_codes(jnp.asarray(z), jnp.asarray(emb))), nearest
+    )
+    rounded = [jnp.asarray(a).astype(jnp.bfloat16).astype(jnp.float32) for a in (z, emb)]
+    scores = jnp.sum(rounded[1] ** 2, axis=1)[None, :] - 2.0 * rounded[0] @ rounded[1].T
+    assert (np.asarray(jnp.argmin(scores, axis=1)) != nearest).mean() > 0.1
 
 
 def test_usage_stats() -> None:

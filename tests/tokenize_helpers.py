@@ -1,6 +1,6 @@
 """Small media and models for the `lwm tokenize` tests: videos in several codecs, broken files,
-a tiny randomly initialised VQGAN, and a LLaMA-style (SentencePiece BPE, BOS by default)
-Hugging Face tokenizer built offline."""
+a tiny randomly initialised VQGAN, latents near the boundary between two codes, and a
+LLaMA-style (SentencePiece BPE, BOS by default) Hugging Face tokenizer built offline."""
 
 from __future__ import annotations
 
@@ -21,6 +21,25 @@ TINY_VQGAN = dict(
     num_groups=8,
 )
 CODES_PER_FRAME = 64
+
+
+def near_tie_latents(
+    n: int = 2048, codes: int = 512, dim: int = 8, seed: int = 0
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(z [n, dim], codebook [codes, dim], nearest [n])``: float32 latents, a float32
+    codebook of pairs of near codes (5% of a code's size apart, as a VQGAN's codes of two
+    similar colours) and the float64 nearest code of each z. Each z lies near the midpoint of a
+    pair, 1e-3 to 1e-2 of their distance to one side: float32 products find the same code as
+    float64, products of operands rounded to bfloat16 often do not."""
+    rng = np.random.default_rng(seed)
+    base = rng.normal(size=(codes // 2, dim))
+    emb = np.concatenate([base, base + 0.05 * rng.normal(size=base.shape)]).astype(np.float32)
+    i = rng.integers(0, codes // 2, n)
+    e_i, e_j = emb[i].astype(np.float64), emb[i + codes // 2].astype(np.float64)
+    step = rng.uniform(1e-3, 1e-2, (n, 1)) * np.where(rng.random((n, 1)) < 0.5, -1.0, 1.0)
+    z = ((e_i + e_j) / 2 + step * (e_i - e_j)).astype(np.float32)
+    distances = ((z.astype(np.float64)[:, None, :] - emb.astype(np.float64)[None]) ** 2).sum(-1)
+    return z, emb, distances.argmin(axis=1)
 
 
 def save_tiny_vqgan(directory: Path, **overrides) -> Path:
