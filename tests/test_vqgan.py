@@ -156,6 +156,33 @@ def test_nearest_codes_are_exact_where_rounded_products_are_not() -> None:
     assert (np.asarray(jnp.argmin(scores, axis=1)) != nearest).mean() > 0.1
 
 
+def test_matmul_precision_reaches_every_convolution() -> None:
+    """`model.matmul_precision` is the precision of every convolution of the encoder and the
+    decoder in the compiled programs (what a TPU rounds by); the code search's product is
+    float32-exact whatever the setting."""
+    from tokenize_helpers import TINY_VQGAN
+
+    def programs(precision: str) -> tuple[list[str], list[str]]:
+        graphdef, state = nnx.split(
+            init_model(VQGANModelConfig(**TINY_VQGAN, matmul_precision=precision))
+        )
+        encode = jax.jit(lambda s, x: nnx.merge(graphdef, s).encode(x).codes)
+        decode = jax.jit(lambda s, c: nnx.merge(graphdef, s).decode_codes(c))
+        return (
+            encode.lower(state, jnp.zeros((1, 16, 16, 3))).as_text().splitlines(),
+            decode.lower(state, jnp.zeros((1, 8, 8), jnp.int32)).as_text().splitlines(),
+        )
+
+    for precision in ("default", "highest"):
+        encoding, decoding = programs(precision)
+        for lines in (encoding, decoding):
+            convs = [line for line in lines if "stablehlo.convolution" in line]
+            exact = [line for line in convs if line.count("precision HIGHEST") == 2]
+            assert convs and len(exact) == (len(convs) if precision == "highest" else 0)
+        dots = [line for line in encoding if "stablehlo.dot_general" in line]
+        assert dots and all("precision = [HIGHEST, HIGHEST]" in line for line in dots)
+
+
 def test_usage_stats() -> None:
     counts = code_counts(jnp.array([[0, 1], [2, 3]]), 8)
     assert counts.tolist() == [1, 1, 1, 1, 0, 0, 0, 0]

@@ -51,6 +51,11 @@ class VQGANModelConfig(BaseModel):
     num_groups: PositiveInt = 32  # GroupNorm groups (LWM: flax's default, 32)
     dtype: DType = "float32"  # activations / compute
     param_dtype: DType = "float32"
+    # Float32 convolutions of the encoder and decoder (jax.default_matmul_precision): on TPUs
+    # "default" is one bfloat16 pass, "high" three, "highest" float32-exact as on CPUs (there
+    # all three are the same). Codes of similar colours lie close, and a chip's default
+    # rounding gives some frames other codes than a CPU does. The code search is exact always.
+    matmul_precision: Literal["default", "high", "highest"] = "default"
 
     @model_validator(mode="after")
     def _check(self) -> VQGANModelConfig:

@@ -17,6 +17,7 @@ conv. No attention (LWM's `attn_resolutions=()` and `no_attn_mid_block=True`).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from typing import TypeVar
 
@@ -210,10 +211,20 @@ class VQGAN(nnx.Module):
                 f"expected frames [N, {res}, {res}, {self.cfg.num_channels}], got {x.shape}"
             )
 
+    def _precision(self):
+        """The context the convolutions are traced in (`VQGANModelConfig.matmul_precision`)."""
+        precision = self.cfg.matmul_precision
+        return (
+            contextlib.nullcontext()
+            if precision == "default"
+            else jax.default_matmul_precision(precision)
+        )
+
     def latents(self, x: jax.Array) -> jax.Array:
         """Encoder output before quantization, ``[N, h, w, embed_dim]`` float32."""
         self._check_frames(x)
-        z = self.quant_conv(self.encoder(x.astype(self.cfg.dtype)))
+        with self._precision():
+            z = self.quant_conv(self.encoder(x.astype(self.cfg.dtype)))
         return z.astype(jnp.float32)
 
     def encode(self, x: jax.Array) -> QuantizerOutput:
@@ -222,8 +233,9 @@ class VQGAN(nnx.Module):
 
     def decode_latents(self, quantized: jax.Array) -> jax.Array:
         """Decoder output for quantized vectors ``[N, h, w, embed_dim]`` (float32, unclipped)."""
-        h = self.post_quant_conv(quantized.astype(self.cfg.dtype))
-        return self.decoder(h).astype(jnp.float32)
+        with self._precision():
+            h = self.post_quant_conv(quantized.astype(self.cfg.dtype))
+            return self.decoder(h).astype(jnp.float32)
 
     def decode_codes(self, codes: jax.Array) -> jax.Array:
         """Frames ``[N, H, W, 3]`` in [-1, 1] for codes ``[N, h, w]``."""

@@ -286,14 +286,17 @@ RESUME_SECTIONS = ("model", "quantizer", "loss", "discriminator", "train", "data
 def _check_same_model(out: Path, cfg: VQGANConfig) -> VQGANConfig | None:
     """Refuse to resume a run of another VQGAN in ``out`` (its config.yaml and checkpoints):
     its checkpoints would not restore, or would compute another function, and its config.yaml
-    would be overwritten. The compute dtype (``model.dtype``) alone may change: the same
-    weights, computed in another precision. Returns the run's config (None: no run there)."""
+    would be overwritten. The compute dtype and precision (``model.dtype``,
+    ``model.matmul_precision``) alone may change: the same weights, computed in another
+    precision. Returns the run's config (None: no run there)."""
     from lwm.base.config import resumable_config, setting_differences
 
     found = resumable_config(out, VQGANConfig)
     if found is None:
         return None
-    changed = setting_differences(found.model, cfg.model, "model", lambda k: k != "dtype")
+    changed = setting_differences(
+        found.model, cfg.model, "model", lambda k: k not in ("dtype", "matmul_precision")
+    )
     # the discriminator's shape too: its weights are in the checkpoints (its rate may change)
     changed += setting_differences(
         found.discriminator, cfg.discriminator, "discriminator", lambda k: k != "learning_rate"
