@@ -306,8 +306,9 @@ def test_frames_per_s_counts_the_training_steps_only(tmp_path, monkeypatch) -> N
 def test_a_rerun_names_the_settings_it_changes_and_keeps_the_config_they_replace(
     trained: tuple[Path, Path], tmp_path: Path
 ) -> None:
-    """Another learning rate and more steps resume, named in one line, the earlier config kept
-    as config.until-STEP.yaml (they were taken silently, config.yaml rewritten)."""
+    """Another learning rate, more steps and another precision resume, named in one line, the
+    earlier config kept as config.until-STEP.yaml (they were taken silently, config.yaml
+    rewritten)."""
     import shutil
 
     from data.vqgan_frames import load_frames
@@ -317,16 +318,18 @@ def test_a_rerun_names_the_settings_it_changes_and_keeps_the_config_they_replace
     overrides = ["loss.disc_start=0", "train.progress=false", "train.eval_every=2"]
     overrides += ["train.save_every=100", "mesh.shape=1,-1,1,1", f"train.output_dir={run}"]
     before = (run / "config.yaml").read_text()
-    cfg = load_vqgan_config(TINY, [*overrides, "train.steps=4", "train.learning_rate=3e-4"])
+    changes = ["train.steps=4", "train.learning_rate=3e-4", "model.matmul_precision=highest"]
+    cfg = load_vqgan_config(TINY, [*overrides, *changes])
     logged: list[str] = []
     train(cfg, mesh=make_mesh(cfg.mesh.shape), source=load_frames(cfg), log=logged.append)
     assert logged[1] == (
-        "resuming with other settings than the run's: train.steps: 3 there, 4 here; "
-        "train.learning_rate: 0.001 there, 0.0003 here (its config until step 3 kept as "
-        "config.until-3.yaml)"
+        "resuming with other settings than the run's: model.matmul_precision: default there, "
+        "highest here; train.steps: 3 there, 4 here; train.learning_rate: 0.001 there, 0.0003 "
+        "here (its config until step 3 kept as config.until-3.yaml)"
     )
     assert (run / "config.until-3.yaml").read_text() == before
     assert read_config(run).train.learning_rate == 3e-4
+    assert read_config(run).model.matmul_precision == "highest"
 
 
 def test_resume_equals_uninterrupted(trained: tuple[Path, Path]) -> None:
