@@ -12,8 +12,6 @@ shapes and logical axes come from the one table in `lwm.info.param_specs`.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,6 +31,7 @@ from lwm.attention import (
 )
 from lwm.attention.layout import Layout, layout_permutation
 from lwm.base.mesh import SEQUENCE_AXIS, check_batch_fits, logical_sharding, logical_to_spec
+from lwm.base.precision import PRECISIONS, with_precision
 from lwm.config import ModelConfig
 from lwm.info import ParamSpec, layer_param_specs, param_specs
 
@@ -128,26 +127,6 @@ REMAT_POLICIES = {
     ),
     "everything_saveable": jax.checkpoint_policies.everything_saveable,
 }
-
-_PRECISIONS = {
-    "default": None,
-    "high": jax.lax.Precision.HIGH,
-    "highest": jax.lax.Precision.HIGHEST,
-}
-
-
-def _with_precision(method):
-    """Trace ``method`` under the model's `ModelConfig.matmul_precision`."""
-
-    @functools.wraps(method)
-    def wrapped(self, *args, **kwargs):
-        precision = self.cfg.matmul_precision
-        if precision == "default":
-            return method(self, *args, **kwargs)
-        with jax.default_matmul_precision(precision):
-            return method(self, *args, **kwargs)
-
-    return wrapped
 
 
 LAYER_INPUT = "layer_input"  # the name of each layer's input in `LWMModel.run_layers`
@@ -325,7 +304,7 @@ class LWMModel(nnx.Module):
         blocks = dict(
             block_q=cfg.block_q,
             block_k=cfg.block_k,
-            precision=_PRECISIONS[cfg.matmul_precision],  # its backward is traced later
+            precision=PRECISIONS[cfg.matmul_precision],  # its backward is traced later
             kernel=cfg.attention_kernel,
             in_order=in_order,
             reach=reach,
@@ -442,7 +421,7 @@ class LWMModel(nnx.Module):
                 x = x + jnp.where((code >= 0)[..., None], near, 0).astype(dt)
         return self._constrain(x, "batch", "length", "act_embed")
 
-    @_with_precision
+    @with_precision
     def run_layers(self, x: jax.Array, positions: jax.Array, attend, layers_in=None):
         """All blocks over ``x`` (scanned when ``scan_layers``), then the final norm.
 
@@ -558,7 +537,7 @@ class LWMModel(nnx.Module):
             return tokens
         return jnp.where(tokens >= EOF_ID, tokens - EOF_ID + n, jnp.minimum(tokens, n - 1))
 
-    @_with_precision
+    @with_precision
     def logits(
         self, hidden: jax.Array, heads: tuple[bool, bool] = (True, True)
     ) -> tuple[jax.Array | None, jax.Array | None]:

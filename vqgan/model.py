@@ -17,7 +17,6 @@ conv. No attention (LWM's `attn_resolutions=()` and `no_attn_mid_block=True`).
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 from typing import TypeVar
 
@@ -26,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from lwm.base.precision import with_precision
 from vqgan.config import VQGANModelConfig
 from vqgan.quantizer import QuantizerOutput, VectorQuantizer
 
@@ -211,31 +211,22 @@ class VQGAN(nnx.Module):
                 f"expected frames [N, {res}, {res}, {self.cfg.num_channels}], got {x.shape}"
             )
 
-    def _precision(self):
-        """The context the convolutions are traced in (`VQGANModelConfig.matmul_precision`)."""
-        precision = self.cfg.matmul_precision
-        return (
-            contextlib.nullcontext()
-            if precision == "default"
-            else jax.default_matmul_precision(precision)
-        )
-
+    @with_precision  # `VQGANModelConfig.matmul_precision`
     def latents(self, x: jax.Array) -> jax.Array:
         """Encoder output before quantization, ``[N, h, w, embed_dim]`` float32."""
         self._check_frames(x)
-        with self._precision():
-            z = self.quant_conv(self.encoder(x.astype(self.cfg.dtype)))
+        z = self.quant_conv(self.encoder(x.astype(self.cfg.dtype)))
         return z.astype(jnp.float32)
 
     def encode(self, x: jax.Array) -> QuantizerOutput:
         """Quantize frames ``[N, H, W, 3]`` in [-1, 1]."""
         return self.quantizer(self.latents(x))
 
+    @with_precision
     def decode_latents(self, quantized: jax.Array) -> jax.Array:
         """Decoder output for quantized vectors ``[N, h, w, embed_dim]`` (float32, unclipped)."""
-        with self._precision():
-            h = self.post_quant_conv(quantized.astype(self.cfg.dtype))
-            return self.decoder(h).astype(jnp.float32)
+        h = self.post_quant_conv(quantized.astype(self.cfg.dtype))
+        return self.decoder(h).astype(jnp.float32)
 
     def decode_codes(self, codes: jax.Array) -> jax.Array:
         """Frames ``[N, H, W, 3]`` in [-1, 1] for codes ``[N, h, w]``."""

@@ -9,7 +9,8 @@
 - `lwm.base.distributed`: joining a multi-process JAX job (`init_distributed`);
 - `lwm.base.lock`: one run per output (`output_lock`);
 - `lwm.base.checkpoints`: the newest checkpoint of a run that restores (`restore_first`);
-- `lwm.base.signals`: SIGINT and SIGTERM noted for a run to stop between steps (`StopSignals`).
+- `lwm.base.signals`: SIGINT and SIGTERM noted for a run to stop between steps (`StopSignals`);
+- `lwm.base.precision`: the float32 products' precision a model's config names (`with_precision`).
 
 Layers, bottom to top (a test walks every import): base -> `vqgan` -> `data` -> the model
 (`lwm.model`, `lwm.attention`, `lwm.loss`, `lwm.weights`) -> training, inference and
