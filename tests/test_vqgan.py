@@ -156,31 +156,53 @@ def test_nearest_codes_are_exact_where_rounded_products_are_not() -> None:
     assert (np.asarray(jnp.argmin(scores, axis=1)) != nearest).mean() > 0.1
 
 
+def _compiled_programs(model: VQGAN) -> tuple[list[str], list[str]]:
+    """The lowered encode and decode programs of ``model`` (tiny frames), as lines."""
+    graphdef, state = nnx.split(model)
+    encode = jax.jit(lambda s, x: nnx.merge(graphdef, s).encode(x).codes)
+    decode = jax.jit(lambda s, c: nnx.merge(graphdef, s).decode_codes(c))
+    return (
+        encode.lower(state, jnp.zeros((1, 16, 16, 3))).as_text().splitlines(),
+        decode.lower(state, jnp.zeros((1, 8, 8), jnp.int32)).as_text().splitlines(),
+    )
+
+
+def _exact_convolutions(lines: list[str]) -> tuple[int, int]:
+    """(float32-exact convolutions, all convolutions) of a lowered program."""
+    convs = [line for line in lines if "stablehlo.convolution" in line]
+    return sum(line.count("precision HIGHEST") == 2 for line in convs), len(convs)
+
+
 def test_matmul_precision_reaches_every_convolution() -> None:
     """`model.matmul_precision` is the precision of every convolution of the encoder and the
     decoder in the compiled programs (what a TPU rounds by); the code search's product is
     float32-exact whatever the setting."""
     from tokenize_helpers import TINY_VQGAN
 
-    def programs(precision: str) -> tuple[list[str], list[str]]:
-        graphdef, state = nnx.split(
-            init_model(VQGANModelConfig(**TINY_VQGAN, matmul_precision=precision))
-        )
-        encode = jax.jit(lambda s, x: nnx.merge(graphdef, s).encode(x).codes)
-        decode = jax.jit(lambda s, c: nnx.merge(graphdef, s).decode_codes(c))
-        return (
-            encode.lower(state, jnp.zeros((1, 16, 16, 3))).as_text().splitlines(),
-            decode.lower(state, jnp.zeros((1, 8, 8), jnp.int32)).as_text().splitlines(),
-        )
-
     for precision in ("default", "highest"):
-        encoding, decoding = programs(precision)
+        model = init_model(VQGANModelConfig(**TINY_VQGAN, matmul_precision=precision))
+        encoding, decoding = _compiled_programs(model)
         for lines in (encoding, decoding):
-            convs = [line for line in lines if "stablehlo.convolution" in line]
-            exact = [line for line in convs if line.count("precision HIGHEST") == 2]
-            assert convs and len(exact) == (len(convs) if precision == "highest" else 0)
+            exact, convs = _exact_convolutions(lines)
+            assert convs and exact == (convs if precision == "highest" else 0)
         dots = [line for line in encoding if "stablehlo.dot_general" in line]
         assert dots and all("precision = [HIGHEST, HIGHEST]" in line for line in dots)
+
+
+def test_training_computes_at_train_matmul_precision() -> None:
+    """The model `lwm vqgan train` trains is computed at `train.matmul_precision`, whatever
+    `model.matmul_precision` (the precision of the commands that use the trained VQGAN) says:
+    on a TPU the training step compiles for minutes at `highest`, encoding for seconds."""
+    from vqgan.train import create_state
+
+    for model_p, train_p in (("highest", "default"), ("default", "highest")):
+        cfg = load_vqgan_config(
+            TINY, [f"model.matmul_precision={model_p}", f"train.matmul_precision={train_p}"]
+        )
+        model = create_state(cfg).model
+        for lines in _compiled_programs(model):
+            exact, convs = _exact_convolutions(lines)
+            assert convs and exact == (convs if train_p == "highest" else 0)
 
 
 def test_usage_stats() -> None:

@@ -28,6 +28,7 @@ __all__ = [
 NonNegFloat = Annotated[float, Field(ge=0)]
 NonNegInt = Annotated[int, Field(ge=0)]
 DType = Literal["float32", "bfloat16", "float16"]
+Precision = Literal["default", "high", "highest"]
 
 
 class VQGANModelConfig(BaseModel):
@@ -51,11 +52,13 @@ class VQGANModelConfig(BaseModel):
     num_groups: PositiveInt = 32  # GroupNorm groups (LWM: flax's default, 32)
     dtype: DType = "float32"  # activations / compute
     param_dtype: DType = "float32"
-    # Float32 convolutions of the encoder and decoder (jax.default_matmul_precision): on TPUs
-    # "default" is one bfloat16 pass, "high" three, "highest" float32-exact as on CPUs (there
-    # all three are the same). Codes of similar colours lie close, and a chip's default
-    # rounding gives some frames other codes than a CPU does. The code search is exact always.
-    matmul_precision: Literal["default", "high", "highest"] = "default"
+    # Float32 convolutions of the encoder and decoder (jax.default_matmul_precision) wherever
+    # the trained VQGAN encodes or decodes (tokenize, vqgan encode/decode, ask, chat, the world
+    # model's evaluation; training has train.matmul_precision): on TPUs "default" is one
+    # bfloat16 pass, "high" three, "highest" float32-exact as on CPUs (there all three are the
+    # same). Codes of similar colours lie close, and a chip's default rounding gives some
+    # frames other codes than a CPU does. The code search is exact always.
+    matmul_precision: Precision = "default"
 
     @model_validator(mode="after")
     def _check(self) -> VQGANModelConfig:
@@ -137,6 +140,9 @@ class TrainConfig(BaseModel):
     warmup_steps: NonNegInt = 0
     schedule: Literal["cosine", "constant"] = "constant"
     end_learning_rate_ratio: NonNegFloat = 0.1  # cosine decays to this fraction of the peak
+    # the same setting as model.matmul_precision for the steps and the held-out evaluation of
+    # training; on TPUs the training step compiles far slower at "high" or "highest"
+    matmul_precision: Precision = "default"
     b1: float = 0.5
     b2: float = 0.9
     weight_decay: NonNegFloat = 0.0

@@ -149,11 +149,15 @@ def _optimizers(
 
 
 def create_state(cfg: VQGANConfig, mesh: Mesh | None = None) -> TrainState:
-    """Fresh model, discriminator and optimizers (replicated over ``mesh`` if given)."""
+    """Fresh model, discriminator and optimizers (replicated over ``mesh`` if given); the model
+    computes at ``train.matmul_precision``."""
     train_json = _train_json(cfg)
     tx = _optimizer(train_json, cfg.train.learning_rate)
     disc_tx = _optimizer(train_json, cfg.discriminator.learning_rate)
-    model = init_model(cfg.model, cfg.seed)
+    # trained at train.matmul_precision; the weights are the same for any precision
+    model = init_model(
+        cfg.model.model_copy(update={"matmul_precision": cfg.train.matmul_precision}), cfg.seed
+    )
     disc = host_init(
         nnx.eval_shape(
             lambda: PatchDiscriminator(cfg.discriminator, cfg.model.num_channels, rngs=nnx.Rngs(0))
