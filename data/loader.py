@@ -408,6 +408,40 @@ class TokenDatasetLoader:
         rows = [plan.row(first + r) for r in range(self.local_rows)]
         return self._assemble(rows, self.chained_records(epoch))
 
+    def warm(self) -> threading.Thread | None:
+        """Work out, in a background thread, the records this host reads in the rest of the
+        epoch the loader is at, in the order it reads them, until they fill half the record
+        cache (`record`): the first epoch's batches then cost what a later epoch's cost. Called
+        while the train step compiles, that work is off the training loop's path. Returns the
+        thread; None where worker processes read (each keeps the records it reads itself)."""
+        if self.read_processes:
+            return None
+        epoch, batch = self.locate(self._next)
+        plan = self.plan(epoch)
+
+        def examples():
+            seen: set[int] = set()
+            for b in range(batch, self.batches_in_epoch(epoch)):
+                first = b * self.batch_size + self.first_row
+                for r in range(first, min(first + self.local_rows, plan.num_rows)):
+                    for ex, _, _ in plan.row(r):
+                        if ex not in seen:
+                            seen.add(ex)
+                            yield ex
+
+        def run() -> None:
+            try:
+                for ex in examples():
+                    if self._record_bytes > RECORD_CACHE_BYTES // 2:
+                        return
+                    self.record(ex)
+            except Exception:  # noqa: BLE001 - a batch that reads it raises it where it counts
+                return
+
+        thread = threading.Thread(target=run, name="lwm-record-warm", daemon=True)
+        thread.start()
+        return thread
+
     def record(self, ex: int) -> dict[str, np.ndarray]:
         """Record ``ex`` with what batches take from it (its frame cells, QA turns, window),
         worked out once and kept while the records kept stay under `RECORD_CACHE_BYTES`: the

@@ -213,6 +213,8 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
         log(f"nothing to do: checkpoint {start} already reaches train.steps={tc.steps}")
         manager.close()
         return TrainResult(step=start, stopped_by=None)
+    if hasattr(loader, "warm"):  # the epoch's records worked out while the step compiles
+        loader.warm()
 
     # With cuDNN attention, what is known of the rows' order picks the schedule
     # (`lwm.model.ROW_ORDERS`): each batch is checked here (`row_schedule`: its order and, for

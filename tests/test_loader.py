@@ -423,3 +423,49 @@ def test_records_kept_between_epochs_give_the_same_batches_and_are_not_read_agai
             assert set(got) == set(want)
             for key in want:
                 np.testing.assert_array_equal(got[key], want[key])
+
+
+def test_warming_reads_the_rest_of_the_epoch_ahead_and_changes_no_batch(tmp_path, monkeypatch):
+    """`TokenDatasetLoader.warm` (run while the train step compiles): after it, the rest of the
+    epoch, from where a restored loader stands, reads no record from the dataset, and gives the
+    batches a loader that did not warm gives; it fills at most half the record cache, so the
+    records it kept are not dropped before they are read; worker processes do not warm."""
+    import data.loader as loader_module
+
+    path = write_dataset(tmp_path / "ds", LENGTHS, vision=0.9)
+    plain = loader(path, read_threads=0, window=((4, 4), 1))
+    n = plain.batches_in_epoch(0)
+    skipped = [next(plain) for _ in range(2)]
+    state = json.loads(json.dumps(plain.state()))
+    want = [next(plain) for _ in range(n - 2)]
+    rest = {ex for b in want for ex in np.unique(b["tokens"][b["tokens"] > 0] // 1000)}
+    assert skipped and len(rest) < len(LENGTHS)  # the epoch's first batches are not warmed
+
+    warmed = loader(path, read_threads=0, window=((4, 4), 1))
+    warmed.restore(state)
+    warmed.warm().join()
+    assert set(warmed._records) == rest
+    source, reads = warmed.source, []
+
+    class Counting:
+        def __getitem__(self, i):
+            reads.append(i)
+            return source[i]
+
+        def __len__(self):
+            return len(source)
+
+    warmed.source = Counting()
+    for a, b in zip(want, [next(warmed) for _ in range(n - 2)], strict=True):
+        assert set(a) == set(b)
+        for key in a:
+            np.testing.assert_array_equal(a[key], b[key])
+    assert reads == []
+
+    monkeypatch.setattr(loader_module, "RECORD_CACHE_BYTES", 4000)
+    small = loader(path, read_threads=0)
+    small.warm().join()
+    assert 0 < len(small._records) < len(LENGTHS) and small._record_bytes <= 4000  # none dropped
+    last = small._records[next(reversed(small._records))]  # it began below half the cache
+    assert small._record_bytes - sum(a.nbytes for a in last.values()) <= 2000 < small._record_bytes
+    assert loader(path, read_processes=1).warm() is None
