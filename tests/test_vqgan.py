@@ -400,6 +400,38 @@ def test_a_rerun_with_another_model_is_refused_and_changes_nothing(
         _check_same_model(run, load_vqgan_config(TINY, [*overrides, "model.param_dtype=bfloat16"]))
 
 
+def test_a_finished_run_records_another_encoding_precision_and_keeps_its_weights(
+    trained: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Rerun finished with another `model.matmul_precision`: nothing is trained, and the
+    precision is written into config.yaml (what tokenize, encode and ask read), the rest of
+    the run's config and every other file as they were (it was left, to be edited by hand)."""
+    import shutil
+
+    from data.vqgan_frames import load_frames
+
+    run = tmp_path / "run"
+    shutil.copytree(trained[1], run)
+    before = read_config(run)
+    files = {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != "config.yaml"}
+    overrides = ["loss.disc_start=0", "train.progress=false", "train.eval_every=2"]
+    overrides += ["train.save_every=100", "mesh.shape=1,-1,1,1", f"train.output_dir={run}"]
+    changes = ["train.steps=3", "model.matmul_precision=high", "train.learning_rate=0.5"]
+    cfg = load_vqgan_config(TINY, [*overrides, *changes])
+    logged: list[str] = []
+    train(cfg, mesh=make_mesh(cfg.mesh.shape), source=load_frames(cfg), log=logged.append)
+    assert logged[1:] == [
+        "nothing to do: checkpoint 3 already reaches train.steps=3",
+        "model.matmul_precision: default there, high here: written to config.yaml for the "
+        "commands that use the weights",
+    ]
+    after = read_config(run)
+    assert after.model.matmul_precision == "high" and after.train == before.train
+    assert after.model_copy(update={"model": before.model}) == before
+    others = {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != "config.yaml"}
+    assert others == files
+
+
 def test_a_damaged_checkpoint_is_set_aside_and_a_run_past_its_steps_is_left_alone(
     trained: tuple[Path, Path], tmp_path: Path
 ) -> None:

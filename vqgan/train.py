@@ -314,6 +314,24 @@ def _check_same_model(out: Path, cfg: VQGANConfig) -> VQGANConfig | None:
     return found
 
 
+# How the commands that use a VQGAN's weights compute with them (not the weights themselves).
+USE_SETTINGS = ("dtype", "matmul_precision")
+
+
+def _record_use_settings(
+    out: Path, saved: VQGANConfig, cfg: VQGANConfig, log: Callable[[str], None]
+) -> None:
+    """A finished run rerun with other `USE_SETTINGS`: written into its config.yaml (the rest
+    of which stays the run's), where every command that uses the weights reads them."""
+    from lwm.base.config import setting_differences
+
+    update = {k: getattr(cfg.model, k) for k in USE_SETTINGS}
+    changed = setting_differences(saved.model, cfg.model, "model", lambda k: k in update)
+    if changed:
+        write_config(out, saved.model_copy(update={"model": saved.model.model_copy(update=update)}))
+        log(f"{'; '.join(changed)}: written to config.yaml for the commands that use the weights")
+
+
 def train(
     cfg: VQGANConfig,
     *,
@@ -358,6 +376,8 @@ def train(
     finished = _finished(out, start)
     if start >= t.steps and finished is not None:
         log(f"nothing to do: checkpoint {start} already reaches train.steps={t.steps}")
+        if saved is not None:
+            _record_use_settings(out, saved, cfg, log)
         ckpt.close()
         return finished
     if start < t.steps:  # the settings the steps to come run with
