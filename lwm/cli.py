@@ -138,11 +138,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     # A verb with subcommands parses its own arguments (argparse cannot intermix subparsers).
     parse = getattr(module, "parse_args", None)
     args = parse(parser, top.args) if parse else parser.parse_intermixed_args(top.args)
+    from lwm.base.compile_cache import use_compilation_cache
     from lwm.base.mesh import use_cpu_devices
 
     def run() -> int:
         if getattr(args, "cpu_devices", None):
             use_cpu_devices(args.cpu_devices)
+        use_compilation_cache()  # compiled programs kept for the next command
         return int(module.run(args))
 
     return run_reporting_errors(f"lwm {top.command}", run)

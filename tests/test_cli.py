@@ -673,3 +673,41 @@ def test_a_failed_measurement_keeps_its_traceback_when_asked(monkeypatch, capsys
     err = capsys.readouterr().err
     assert err.startswith("Traceback (most recent call last)")
     assert "in kernel_that_fails" in err and err.rstrip().endswith("while allocating 9 GiB")
+
+
+def test_commands_keep_compiled_programs_on_disk(tmp_path, monkeypatch) -> None:
+    """Every verb turns on JAX's persistent compilation cache before it compiles: in
+    ``$XDG_CACHE_HOME/lwm/jax`` unless the environment names another folder or turns it off,
+    so a later command (the demo's second tokenize, a rerun) loads what an earlier compiled."""
+    import lwm.base.compile_cache as compile_cache
+    from lwm.cli import main
+
+    calls = []
+    monkeypatch.setattr(compile_cache, "use_compilation_cache", lambda: calls.append(1))
+    monkeypatch.chdir(ROOT)
+    assert main(["info", "--config", "configs/tiny.yaml"]) == 0 and calls == [1]
+
+    code = (
+        "import jax, jax.numpy as jnp; from lwm.base.compile_cache import use_compilation_cache; "
+        "print(use_compilation_cache()); jax.jit(lambda x: jnp.sin(x) * 2)(jnp.ones(3))"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_") or k == "JAX_PLATFORMS"}
+    env.update(XDG_CACHE_HOME=str(tmp_path / "xdg"), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+
+    def run(**extra: str) -> str:
+        out = subprocess.run(
+            [sys.executable, "-c", code], env={**env, **extra}, cwd=ROOT,
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        return out.stdout.strip()
+
+    default = tmp_path / "xdg" / "lwm" / "jax"
+    assert run() == str(default)
+    kept = sorted(p.name for p in default.iterdir())
+    assert kept and run() == str(default)
+    assert sorted(p.name for p in default.iterdir()) == kept  # loaded, not compiled again
+    other = tmp_path / "other"
+    assert run(JAX_COMPILATION_CACHE_DIR=str(other)) == str(other) and any(other.iterdir())
+    off = tmp_path / "off"
+    assert run(XDG_CACHE_HOME=str(off), JAX_ENABLE_COMPILATION_CACHE="false") == "None"
+    assert not off.exists()

@@ -11,6 +11,8 @@
 - `lwm.base.checkpoints`: the newest checkpoint of a run that restores (`restore_first`);
 - `lwm.base.signals`: SIGINT and SIGTERM noted for a run to stop between steps (`StopSignals`);
 - `lwm.base.precision`: the float32 products' precision a model's config names (`with_precision`).
+- `lwm.base.compile_cache`: compiled programs kept on disk between commands
+  (`use_compilation_cache`).
 
 Layers, bottom to top (a test walks every import): base -> `vqgan` -> `data` -> the model
 (`lwm.model`, `lwm.attention`, `lwm.loss`, `lwm.weights`) -> training, inference and
