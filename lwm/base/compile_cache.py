@@ -1,6 +1,7 @@
 """The persistent compilation cache of `lwm` commands: compiled programs kept on disk, so that
-the next process that compiles the same program (the second `lwm tokenize` with a VQGAN, a
-second stage of `lwm train` with the same shapes, any rerun) loads it instead.
+the next process that compiles the same program (a second `lwm tokenize` with the same VQGAN,
+a second stage of `lwm train` with the same shapes, any rerun) loads it instead; programs that
+compile in under a second (JAX's ``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS``) are not kept.
 
 JAX's own settings decide, where given: ``JAX_COMPILATION_CACHE_DIR`` names the folder,
 ``JAX_ENABLE_COMPILATION_CACHE=false`` turns the cache off, ``JAX_COMPILATION_CACHE_MAX_SIZE``
