@@ -366,7 +366,11 @@ def merge_dataset(output: str, *, strict: bool = False, log=None) -> TokenizeSum
 def _job(opts: TokenizeOptions, items: list[Item], codec: TextCodec, encoder: Encoder) -> dict:
     """Everything the records depend on; a rerun continues only a job with the same values."""
     listing = json.dumps([item.to_json() for item in items], sort_keys=True).encode()
-    return {
+    # how the VQGAN computes its codes (on TPUs its codes depend on it; named where not the
+    # default, so that jobs begun before it was recorded continue)
+    precision = getattr(getattr(encoder, "config", None), "matmul_precision", "default")
+    extra = {} if precision == "default" else {"vqgan_matmul_precision": precision}
+    return extra | {
         "input": os.path.abspath(opts.input),
         "items": len(items),
         "items_sha256": hashlib.sha256(listing).hexdigest(),

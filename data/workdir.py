@@ -156,6 +156,7 @@ def publish(work: Path, out: Path, infos: list[dict[str, Any]], job: dict[str, A
         "vqgan": {
             "path": job["vqgan"],
             "weights": job.get("vqgan_weights"),
+            "matmul_precision": job.get("vqgan_matmul_precision", "default"),
             "resolution": job["resolution"],
             "tokens_per_frame": job["tokens_per_frame"],
             "codebook_size": job["codebook_size"],

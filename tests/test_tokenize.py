@@ -787,3 +787,42 @@ def test_workers_decode_ahead_in_frames_and_in_order(synthetic):
         assert (a.error, a.frames is None) == (b.error, b.frames is None)
         if a.frames is not None:
             np.testing.assert_array_equal(a.frames, b.frames)
+
+
+def test_the_vqgans_precision_is_recorded_and_a_changed_one_does_not_resume(
+    tmp_path, synthetic, vqgan_dir, capsys, monkeypatch
+):
+    """The dataset's metadata names the VQGAN's `model.matmul_precision` (on a TPU its codes
+    depend on it); an interrupted run rerun after that setting changed is refused, naming it
+    (it would have mixed codes of two precisions in one dataset)."""
+    import tensorflow_datasets as tfds
+    import yaml
+
+    import data.tokenize_dataset as tokenize_dataset
+
+    vqgan = tmp_path / "vqgan"
+    shutil.copytree(vqgan_dir, vqgan)
+
+    def set_precision(value: str) -> None:
+        config = yaml.safe_load((vqgan / "config.yaml").read_text())
+        config["model"]["matmul_precision"] = value
+        (vqgan / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+
+    common = ["--input", str(synthetic), "--vqgan", str(vqgan), *FAST]
+    set_precision("high")
+    assert lwm(["tokenize", *common, "--out", str(tmp_path / "a")]) == 0
+    meta = tfds.builder_from_directory(str(tmp_path / "a")).info.metadata
+    assert meta["vqgan"]["matmul_precision"] == "high"
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(tokenize_dataset, "DecodeStream", interrupt)
+        assert lwm(["tokenize", *common, "--out", str(tmp_path / "b")]) == 130
+    assert (tmp_path / "b.partial" / "job.json").is_file()
+    set_precision("default")
+    capsys.readouterr()
+    assert lwm(["tokenize", *common, "--out", str(tmp_path / "b")]) == 2
+    assert "(vqgan_matmul_precision differ)" in capsys.readouterr().err
+    assert not (tmp_path / "b").exists()
