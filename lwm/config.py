@@ -20,6 +20,7 @@ from lwm.base.config import (
     PositiveInt,
     config_to_yaml,
 )
+from lwm.base.precision import Precision
 
 __all__ = [
     "Config",
@@ -107,7 +108,7 @@ class ModelConfig(BaseModel):
     # Float32 matrix products (jax.default_matmul_precision) in the model's layers, head and XLA
     # attention: on TPUs "default" is one bfloat16 pass, "high" three, "highest" float32-exact
     # as on CPUs. The Pallas attention kernel keeps its own. Only float32 models are affected.
-    matmul_precision: Literal["default", "high", "highest"] = "default"
+    matmul_precision: Precision = "default"
     scan_layers: bool = True
     mlp_chunk_size: Annotated[int, Field(ge=0)] = 0  # 0 = unchunked
     logits_chunk_size: Annotated[int, Field(ge=0)] = 0  # loss: tokens per logits chunk, 0 = all

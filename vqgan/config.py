@@ -13,6 +13,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from lwm.base.config import MeshConfig, PositiveFloat, PositiveInt, load_config
+from lwm.base.precision import Precision
 
 __all__ = [
     "DataConfig",
@@ -28,7 +29,6 @@ __all__ = [
 NonNegFloat = Annotated[float, Field(ge=0)]
 NonNegInt = Annotated[int, Field(ge=0)]
 DType = Literal["float32", "bfloat16", "float16"]
-Precision = Literal["default", "high", "highest"]
 
 
 class VQGANModelConfig(BaseModel):

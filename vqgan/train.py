@@ -283,6 +283,9 @@ def _grid(originals: np.ndarray, recon: np.ndarray, min_size: int = 128) -> np.n
     return np.repeat(np.repeat(grid, scale, axis=0), scale, axis=1)
 
 
+# How the commands that use a VQGAN's weights compute with them (not the weights themselves).
+USE_SETTINGS = ("dtype", "matmul_precision")
+
 # What a resume may change, named when it does: all but the model's shape (refused) and the mesh.
 RESUME_SECTIONS = ("model", "quantizer", "loss", "discriminator", "train", "data", "seed")
 
@@ -298,9 +301,7 @@ def _check_same_model(out: Path, cfg: VQGANConfig) -> VQGANConfig | None:
     found = resumable_config(out, VQGANConfig)
     if found is None:
         return None
-    changed = setting_differences(
-        found.model, cfg.model, "model", lambda k: k not in ("dtype", "matmul_precision")
-    )
+    changed = setting_differences(found.model, cfg.model, "model", lambda k: k not in USE_SETTINGS)
     # the discriminator's shape too: its weights are in the checkpoints (its rate may change)
     changed += setting_differences(
         found.discriminator, cfg.discriminator, "discriminator", lambda k: k != "learning_rate"
@@ -312,10 +313,6 @@ def _check_same_model(out: Path, cfg: VQGANConfig) -> VQGANConfig | None:
             "train.output_dir"
         )
     return found
-
-
-# How the commands that use a VQGAN's weights compute with them (not the weights themselves).
-USE_SETTINGS = ("dtype", "matmul_precision")
 
 
 def _record_use_settings(
