@@ -68,6 +68,22 @@ def epoch_batches(ld):
     return [next(ld) for _ in range(n)]
 
 
+def count_reads(ld) -> list[int]:
+    """Route ``ld``'s reads of its dataset through a list: each read appends its index."""
+    source, reads = ld.source, []
+
+    class Counting:
+        def __getitem__(self, i):
+            reads.append(i)
+            return source[i]
+
+        def __len__(self):
+            return len(source)
+
+    ld.source = Counting()
+    return reads
+
+
 def test_packing_emits_every_token_once_with_segments_and_positions(dataset):
     ld = loader(dataset)
     batches = epoch_batches(ld)
@@ -387,36 +403,22 @@ def test_records_kept_between_epochs_give_the_same_batches_and_are_not_read_agai
 
     path = write_dataset(tmp_path / "ds", LENGTHS, vision=0.9)
     reads = {}
-
-    def counted(ld, name):
-        source = ld.source
-
-        class Counting:
-            def __getitem__(self, i):
-                reads[name] = reads.get(name, 0) + 1
-                return source[i]
-
-            def __len__(self):
-                return len(source)
-
-        ld.source = Counting()
-        return ld
-
     made = {}
     for name, budget in (("none", 0), ("small", 1500), ("default", None)):
         if budget is not None:
             monkeypatch.setattr(loader_module, "RECORD_CACHE_BYTES", budget)
         else:
             monkeypatch.undo()
-        ld = counted(loader(path, read_threads=0, window=((4, 4), 1)), name)
+        ld = loader(path, read_threads=0, window=((4, 4), 1))
+        reads[name] = count_reads(ld)
         first = ld.batches_in_epoch(0)
         made[name] = epoch_batches(ld) + [next(ld) for _ in range(2 * first)]
         if name == "default":
-            assert reads[name] == len(LENGTHS)  # each record read once, in the first epoch
+            assert len(reads[name]) == len(LENGTHS)  # each record read once, in the first epoch
         if name == "small":
             assert 0 < ld._record_bytes <= budget and 0 < len(ld._records) < len(LENGTHS)
-            assert reads[name] > len(LENGTHS)
-    assert reads["none"] > 2 * len(LENGTHS)  # without: every visit reads
+            assert len(reads[name]) > len(LENGTHS)
+    assert len(reads["none"]) > 2 * len(LENGTHS)  # without: every visit reads
     for name in ("small", "default"):
         assert len(made[name]) == len(made["none"])
         for want, got in zip(made["none"], made[name], strict=True):
@@ -445,17 +447,7 @@ def test_warming_reads_the_rest_of_the_epoch_ahead_and_changes_no_batch(tmp_path
     warmed.restore(state)
     warmed.warm().join()
     assert set(warmed._records) == rest
-    source, reads = warmed.source, []
-
-    class Counting:
-        def __getitem__(self, i):
-            reads.append(i)
-            return source[i]
-
-        def __len__(self):
-            return len(source)
-
-    warmed.source = Counting()
+    reads = count_reads(warmed)
     for a, b in zip(want, [next(warmed) for _ in range(n - 2)], strict=True):
         assert set(a) == set(b)
         for key in a:
