@@ -18,9 +18,9 @@ from lwm.base.config import (
     MeshConfig,
     PositiveFloat,
     PositiveInt,
+    Precision,
     config_to_yaml,
 )
-from lwm.base.precision import Precision
 
 __all__ = [
     "Config",

@@ -12,8 +12,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from lwm.base.config import MeshConfig, PositiveFloat, PositiveInt, load_config
-from lwm.base.precision import Precision
+from lwm.base.config import MeshConfig, PositiveFloat, PositiveInt, Precision, load_config
 
 __all__ = [
     "DataConfig",

@@ -25,6 +25,7 @@ __all__ = [
     "MeshConfig",
     "PositiveFloat",
     "PositiveInt",
+    "Precision",
     "config_to_yaml",
     "load_config",
     "validate_config",
@@ -32,6 +33,8 @@ __all__ = [
 
 PositiveInt = Annotated[int, Field(gt=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
+# a model's float32 products and convolutions (`lwm.base.precision`)
+Precision = Literal["default", "high", "highest"]
 
 
 class ConfigError(ValueError):

@@ -9,14 +9,10 @@ On TPUs ``default`` is one bfloat16 pass, ``high`` three, ``highest`` float32-ex
 from __future__ import annotations
 
 import functools
-from typing import Literal
 
 import jax
 
-__all__ = ["PRECISIONS", "Precision", "with_precision"]
-
-# the setting's values, as configs take them
-Precision = Literal["default", "high", "highest"]
+__all__ = ["PRECISIONS", "with_precision"]
 
 # the setting's `jax.lax.Precision` (None: the backend's default)
 PRECISIONS = {
