@@ -213,6 +213,17 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
         log(f"nothing to do: checkpoint {start} already reaches train.steps={tc.steps}")
         manager.close()
         return TrainResult(step=start, stopped_by=None)
+    # the peak rate before any thread of the loader's competes with its timing
+    host_schedule = on_host_cpu(schedule)
+    tokens_per_step = tc.batch_size * seq_len
+    per_token = flops_per_token(model_cfg, seq_len)
+    model_flops = per_token.train * tokens_per_step
+    peak = (
+        measure_peak_flops(jax.devices(), model_cfg.dtype)
+        if tc.peak_flops == "auto"
+        else tc.peak_flops
+    )
+    peak_total = peak * jax.device_count()
     if hasattr(loader, "warm"):  # the epoch's records worked out while the step compiles
         loader.warm()
 
@@ -256,31 +267,58 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
             )
         return steps[rows, reach]
 
-    host_schedule = on_host_cpu(schedule)
-    tokens_per_step = tc.batch_size * seq_len
-    per_token = flops_per_token(model_cfg, seq_len)
-    model_flops = per_token.train * tokens_per_step
-    peak = (
-        measure_peak_flops(jax.devices(), model_cfg.dtype)
-        if tc.peak_flops == "auto"
-        else tc.peak_flops
-    )
-    peak_total = peak * jax.device_count()
-    writer = MetricsWriter(output, primary)
-    evaluator = QAEvaluator(cfg, graphdef, output, log) if cfg.eval.manifest else None
-    if primary:
-        (output / "config.yaml").write_text(config_to_yaml(cfg))
-
-    stop = StopSignals()
-    bar = None
-    if primary and tc.progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=tc.steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
-
     bsharding = batch_sharding(mesh)
     packed_sharding = packed_batch_sharding(mesh)
     global_shape = (tc.batch_size, seq_len)
+
+    def next_batch(step: int):
+        """Batch ``step`` on the devices, its rows' schedule and the loader's state after it
+        (what a checkpoint of that step keeps): made in `BatchPrefetch`'s thread."""
+        local = next(loader)
+        if one_process:  # every field in one array, one transfer
+            batch = jax.device_put(pack_batch(local), packed_sharding)
+        else:
+            batch = {
+                k: jax.make_array_from_process_local_data(
+                    bsharding, v, (*global_shape, *v.shape[2:])
+                )
+                for k, v in local.items()
+            }
+        rows, reach = None, 0
+        if on_host or planned:
+            positions, segments = local["positions"], local["segment_ids"]
+            rows, reach = row_schedule(positions, segments, order_layout, sp, orders)
+        if planned:  # the plan's reach, and this host's rows within it
+            mine, rows, reach = reach, None, round_reach(loader.last_look_back())
+            if mine > reach:
+                raise TrainingError(
+                    f"step {step}: this host's rows look back {mine} tokens, more than the "
+                    f"{reach} of the loader's plan for the whole batch"
+                )
+        return batch, rows, reach, loader.state()
+
+    # batch 1 is made while the rest is set up (the evaluator encodes its videos): the first
+    # step waits less for it
+    batches = BatchPrefetch(
+        next_batch, range(start + 1, tc.steps + 1), depth=cfg.data.device_prefetch
+    )
+    try:
+        writer = MetricsWriter(output, primary)
+        evaluator = QAEvaluator(cfg, graphdef, output, log) if cfg.eval.manifest else None
+        if primary:
+            (output / "config.yaml").write_text(config_to_yaml(cfg))
+
+        stop = StopSignals()
+        bar = None
+        if primary and tc.progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=tc.steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
+    except BaseException:
+        batches.close()
+        loader.close()
+        raise
+
     # dispatched steps whose metrics are not yet checked, with the time each waited for its
     # batch, the time that batch took to make, and its rows' order
     pending: list[tuple[int, tuple[tuple[str, ...], jax.Array], float, float, str | None]] = []
@@ -348,37 +386,8 @@ def train(cfg: Config, *, mesh: Mesh, log=None) -> TrainResult:
                     host["mfu_causal_of_spec"] = spec_mfu
                 writer.write(step, host)
 
-    def next_batch(step: int):
-        """Batch ``step`` on the devices, its rows' schedule and the loader's state after it
-        (what a checkpoint of that step keeps): made in `BatchPrefetch`'s thread."""
-        local = next(loader)
-        if one_process:  # every field in one array, one transfer
-            batch = jax.device_put(pack_batch(local), packed_sharding)
-        else:
-            batch = {
-                k: jax.make_array_from_process_local_data(
-                    bsharding, v, (*global_shape, *v.shape[2:])
-                )
-                for k, v in local.items()
-            }
-        rows, reach = None, 0
-        if on_host or planned:
-            positions, segments = local["positions"], local["segment_ids"]
-            rows, reach = row_schedule(positions, segments, order_layout, sp, orders)
-        if planned:  # the plan's reach, and this host's rows within it
-            mine, rows, reach = reach, None, round_reach(loader.last_look_back())
-            if mine > reach:
-                raise TrainingError(
-                    f"step {step}: this host's rows look back {mine} tokens, more than the "
-                    f"{reach} of the loader's plan for the whole batch"
-                )
-        return batch, rows, reach, loader.state()
-
     stopped_by = None
     step = start
-    batches = BatchPrefetch(
-        next_batch, range(start + 1, tc.steps + 1), depth=cfg.data.device_prefetch
-    )
     profile = range(tc.profile_start, tc.profile_start + tc.profile_steps)
     tracing = 0  # the first step traced, while tracing
     try:
