@@ -176,11 +176,15 @@ def test_the_first_batch_is_made_while_the_run_sets_up_after_the_peak_rate(tmp_p
     """The loader's thread makes batch 1 while the rest of the run is set up (on a chip the
     held-out evaluator encodes its videos then), so the first step does not wait for it; the
     peak rate (`train.peak_flops=auto`) is measured before any of the loader's threads runs,
-    so that they do not slow its timing. Before, batch 1 was asked for only once the loop ran
-    (0.3 s of the demo's 2% data wait on a TPU v5e chip, docs/tpu.md)."""
+    so that they do not slow its timing; and a set-up that fails stops that thread. Before,
+    batch 1 was asked for only once the loop ran (0.3 s of the demo's 2% data wait on a TPU v5e
+    chip, docs/tpu.md). The set-up is stopped at the metrics writer: no step is compiled."""
     import threading
 
     import lwm.train as lt
+
+    class SetUpStoppedError(Exception):
+        pass
 
     made = threading.Event()
     real_pack = lt.pack_batch
@@ -191,24 +195,22 @@ def test_the_first_batch_is_made_while_the_run_sets_up_after_the_peak_rate(tmp_p
 
     seen = {}
 
-    class Writer(lt.MetricsWriter):
-        def __init__(self, *args, **kwargs):
-            seen["made_during_setup"] = made.wait(timeout=30)
-            super().__init__(*args, **kwargs)
+    def writer(*args, **kwargs):
+        seen["made_during_setup"] = made.wait(timeout=30)
+        raise SetUpStoppedError
 
     def peak(devices, dtype):
         seen["threads_at_peak"] = {t.name for t in threading.enumerate()}
         return 1e9
 
     monkeypatch.setattr(lt, "pack_batch", pack_batch)
-    monkeypatch.setattr(lt, "MetricsWriter", Writer)
+    monkeypatch.setattr(lt, "MetricsWriter", writer)
     monkeypatch.setattr(lt, "measure_peak_flops", peak)
-    r = lwm_train_here(
-        tmp_path / "run", "train.steps=2", "train.peak_flops=auto", "mesh.shape=1,2,2,2"
-    )
-    assert r.returncode == 0, r.stderr
+    with pytest.raises(SetUpStoppedError):
+        lwm_train_here(tmp_path / "run", "train.peak_flops=auto", "mesh.shape=1,2,2,2")
     assert seen["made_during_setup"]
     assert not {"lwm-batches", "lwm-record-warm"} & seen["threads_at_peak"]
+    assert "lwm-batches" not in {t.name for t in threading.enumerate()}
 
 
 def test_each_batch_runs_the_step_compiled_for_its_rows(tmp_path, monkeypatch):
