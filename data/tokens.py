@@ -251,8 +251,12 @@ class TextCodec:
     @classmethod
     def load(cls, path: str | None = None) -> TextCodec:
         """A tokenizer folder (``AutoTokenizer``); None: the project's ``data/tokenizer``."""
+        import os
         from pathlib import Path
 
+        # transformers says at import that PyTorch is missing, which only its models need (on
+        # a TPU VM it is never installed): that advice is silenced unless the user set it.
+        os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
         from transformers import AutoTokenizer
 
         folder = Path(path) if path is not None else Path(__file__).parent / "tokenizer"

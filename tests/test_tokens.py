@@ -44,6 +44,39 @@ def test_project_tokenizer_loads_with_autotokenizer(codec):
     assert len(ids) < len(text) / 2  # a real subword vocabulary, not bytes
 
 
+def test_loading_the_tokenizer_without_pytorch_prints_nothing():
+    """On a machine without PyTorch (a TPU VM) transformers advises at import that its models
+    need it; loading the project's tokenizer needs none of them, so nothing is printed. A user
+    who set TRANSFORMERS_NO_ADVISORY_WARNINGS keeps their setting."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    hide_torch = (
+        "import importlib.util as u; f = u.find_spec; "
+        "u.find_spec = lambda name, *a, **k: None if name == 'torch' else f(name, *a, **k); "
+        "from data.tokens import TextCodec; TextCodec.load(None); "
+        "import os; print(os.environ['TRANSFORMERS_NO_ADVISORY_WARNINGS'])"
+    )
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRANSFORMERS_NO_ADVISORY_WARNINGS"}
+
+    def load() -> subprocess.CompletedProcess:
+        run = subprocess.run(
+            [sys.executable, "-c", hide_torch], cwd=root, env=env, capture_output=True,
+            text=True, timeout=120,
+        )  # fmt: skip
+        assert run.returncode == 0, run.stderr
+        return run
+
+    quiet = load()
+    assert (quiet.stdout, quiet.stderr) == ("1\n", "")
+    env["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = ""  # the user's own (empty) setting is kept,
+    loud = load()  # and transformers then says its line: PyTorch was hidden from it
+    assert loud.stdout == "\n" and "PyTorch was not found" in loud.stderr, loud.stderr
+
+
 def test_frame_cells_count_codes_from_each_frame_start():
     """Two videos of 2x3-code frames after some text: each code's raster index in its frame,
     -1 on text and on the <eof>/<eov> markers; the same with jax.numpy."""
