@@ -4,6 +4,10 @@ input manifest."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,6 +28,8 @@ from data.tokens import (
     vision_span,
     window_offsets,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -48,23 +54,17 @@ def test_loading_the_tokenizer_without_pytorch_prints_nothing():
     """On a machine without PyTorch (a TPU VM) transformers advises at import that its models
     need it; loading the project's tokenizer needs none of them, so nothing is printed. A user
     who set TRANSFORMERS_NO_ADVISORY_WARNINGS keeps their setting."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
     hide_torch = (
         "import importlib.util as u; f = u.find_spec; "
         "u.find_spec = lambda name, *a, **k: None if name == 'torch' else f(name, *a, **k); "
         "from data.tokens import TextCodec; TextCodec.load(None); "
         "import os; print(os.environ['TRANSFORMERS_NO_ADVISORY_WARNINGS'])"
     )
-    root = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k != "TRANSFORMERS_NO_ADVISORY_WARNINGS"}
 
     def load() -> subprocess.CompletedProcess:
         run = subprocess.run(
-            [sys.executable, "-c", hide_torch], cwd=root, env=env, capture_output=True,
+            [sys.executable, "-c", hide_torch], cwd=ROOT, env=env, capture_output=True,
             text=True, timeout=120,
         )  # fmt: skip
         assert run.returncode == 0, run.stderr
