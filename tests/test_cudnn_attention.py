@@ -705,9 +705,12 @@ def within_twice_dense_bfloat16(monkeypatch, docs: str) -> None:
     forward and gradients. ``one``: no positions (the schedule known when tracing);
     ``one-positions``: the same positions given (each pair's kind decided at run time);
     ``packed-in-order``: packed documents told ``in_order`` (the masked pieces' schedule);
-    ``short-in-order``: short documents told that too and their reach (each piece's band)."""
-    monkeypatch.setattr(cudnn.pairs, "PIECE", 256)
-    s = 1024
+    ``short-in-order``: short documents told that too and their reach (each piece's band).
+    On a GPU 1024 tokens in pieces of 256; on the CPU, where the stand-in computes each piece
+    at -O0, half of each (the same four pieces a side, a quarter of the work)."""
+    piece = 256 if ON_GPU else 128
+    monkeypatch.setattr(cudnn.pairs, "PIECE", piece)
+    s = 4 * piece
     q32, k32, v32 = qkv(b=2, s=s, h=8, kvh=2, d=64)
     kw = {}
     if docs == "one-positions":
@@ -718,7 +721,7 @@ def within_twice_dense_bfloat16(monkeypatch, docs: str) -> None:
         kw = dict(q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg)
         kw |= dict(reach=int(look_back(seg, s)))
     elif docs != "one":
-        seg = long_documents(2, s, 700) if docs == "long" else packed_segments(2, s)
+        seg = long_documents(2, s, s * 700 // 1024) if docs == "long" else packed_segments(2, s)
         pos = document_positions(seg)
         kw = dict(q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg)
     bf = [x.astype(jnp.bfloat16) for x in (q32, k32, v32)]
