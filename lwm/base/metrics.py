@@ -22,6 +22,25 @@ def percent(fraction: float) -> int:
     return math.floor(round(100 * fraction, 9) + 0.5)  # 57 / 200 * 100 is 28.4999...
 
 
+def summary_writer(logdir: Path):
+    """tensorboardX's ``SummaryWriter`` for ``logdir``, imported without PyTorch: its package
+    imports torch wherever torch is installed (2.4 s of every `lwm train` or `lwm vqgan train`
+    start on a 2-core machine) only to accept torch tensors, and these writers log floats. A
+    ``None`` in ``sys.modules`` makes ``import torch`` fail for the length of that import; a
+    process that had already imported torch keeps it, and one that imports it later gets it."""
+    import sys
+
+    hide = "torch" not in sys.modules
+    if hide:
+        sys.modules["torch"] = None  # type: ignore[assignment]
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        if hide:
+            del sys.modules["torch"]
+    return SummaryWriter(str(logdir))
+
+
 class MetricsWriter:
     """JSONL and TensorBoard scalars. ``enabled=False`` (every process but 0 of a multi-host
     run) writes nothing; ``tensorboard``: the folder name under ``output_dir``;
@@ -44,9 +63,7 @@ class MetricsWriter:
         output_dir = Path(output_dir)
         output_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl = open(output_dir / "metrics.jsonl", "a")  # noqa: SIM115
-        from tensorboardX import SummaryWriter
-
-        self.tb = SummaryWriter(str(output_dir / tensorboard))
+        self.tb = summary_writer(output_dir / tensorboard)
 
     def write(self, step: int, metrics: dict[str, float], split: str = "train") -> None:
         if not self.enabled:
