@@ -9,6 +9,8 @@ import ast
 import os
 from pathlib import Path
 
+from conftest import subprocess_xla_flags
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("lwm", "vqgan", "data")
 
@@ -181,7 +183,12 @@ def test_the_marker_ids_change_in_one_place(tmp_path: Path) -> None:
     run = subprocess.run(
         [sys.executable, "-c", OWNER_PROBE],
         cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(tmp_path), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""},
+        env={
+            **os.environ,
+            "PYTHONPATH": str(tmp_path),
+            "JAX_PLATFORMS": "cpu",
+            "XLA_FLAGS": subprocess_xla_flags(),  # one device, compiled as the tests compile
+        },
         capture_output=True,
         text=True,
         timeout=300,
