@@ -50,6 +50,7 @@ itself, at the positions right after the video: every question is asked as `lwm 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -225,6 +226,28 @@ def vision_span(codes: np.ndarray) -> np.ndarray:
     return np.concatenate([frames, ends], axis=1).reshape(-1)
 
 
+# The classes of a plain `tokenizers` file (the project's own tokenizer) that transformers
+# exports without importing PyTorch; `AutoTokenizer` imports torch wherever it is installed
+# (1.6 s more of every command that loads the tokenizer on a 2-core machine).
+PLAIN_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def _tokenizer_class(folder: Path) -> Any:
+    """The class `AutoTokenizer` would load ``folder`` with, where it is a plain one (its
+    tokenizer_config.json names it), else `AutoTokenizer` itself."""
+    import json
+
+    import transformers
+
+    try:
+        named = json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        named = None
+    if named in PLAIN_TOKENIZER_CLASSES and hasattr(transformers, named):
+        return getattr(transformers, named)
+    return transformers.AutoTokenizer
+
+
 class TextCodec:
     """A Hugging Face tokenizer used the way the token stream needs it.
 
@@ -250,14 +273,13 @@ class TextCodec:
 
     @classmethod
     def load(cls, path: str | None = None) -> TextCodec:
-        """A tokenizer folder (``AutoTokenizer``); None: the project's ``data/tokenizer``."""
+        """A tokenizer folder, loaded as ``AutoTokenizer`` loads it (`_tokenizer_class`); None:
+        the project's ``data/tokenizer``."""
         import os
-        from pathlib import Path
 
         # transformers says at import that PyTorch is missing, which only its models need (on
         # a TPU VM it is never installed): that advice is silenced unless the user set it.
         os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-        from transformers import AutoTokenizer
 
         folder = Path(path) if path is not None else Path(__file__).parent / "tokenizer"
         if not folder.is_dir():
@@ -268,7 +290,7 @@ class TextCodec:
                 f"tokenizer folder '{folder}' holds no tokenizer (none of {', '.join(known)})"
             )
         try:
-            tokenizer = AutoTokenizer.from_pretrained(str(folder))
+            tokenizer = _tokenizer_class(folder).from_pretrained(str(folder))
         except (OSError, ValueError) as e:
             raise ValueError(f"tokenizer folder '{folder}' cannot be loaded: {e}") from None
         return cls(tokenizer, str(folder))

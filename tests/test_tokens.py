@@ -77,6 +77,30 @@ def test_loading_the_tokenizer_without_pytorch_prints_nothing():
     assert loud.stdout == "\n" and "PyTorch was not found" in loud.stderr, loud.stderr
 
 
+def test_the_project_tokenizer_loads_as_autotokenizer_would_without_importing_torch(codec):
+    """`TextCodec.load` gives the project's tokenizer the class `AutoTokenizer` gives it, with
+    the same ids for text and markers, in a process that never imports PyTorch (AutoTokenizer
+    imports it wherever it is installed); a folder naming another class goes through
+    AutoTokenizer."""
+    from transformers import AutoTokenizer
+
+    from data.tokens import _tokenizer_class
+
+    auto = AutoTokenizer.from_pretrained(codec.name)
+    assert type(codec.tokenizer) is type(auto)
+    for text in ("Two shapes: a red circle moving left.", "<vision> x </vision>", " What?"):
+        for special in (False, True):
+            got = codec.tokenizer.encode(text, add_special_tokens=special)
+            assert got == auto.encode(text, add_special_tokens=special), (text, special)
+    assert codec.tokenizer.all_special_ids == auto.all_special_ids
+    code = "import sys; from data.tokens import TextCodec; TextCodec.load(None); print('torch' in sys.modules)"
+    r = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert (r.returncode, r.stdout) == (0, "False\n"), r.stderr
+    assert _tokenizer_class(Path("/nowhere")) is AutoTokenizer
+
+
 def test_frame_cells_count_codes_from_each_frame_start():
     """Two videos of 2x3-code frames after some text: each code's raster index in its frame,
     -1 on text and on the <eof>/<eov> markers; the same with jax.numpy."""
