@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 __all__ = ["MetricsWriter", "percent"]
 
@@ -22,7 +23,7 @@ def percent(fraction: float) -> int:
     return math.floor(round(100 * fraction, 9) + 0.5)  # 57 / 200 * 100 is 28.4999...
 
 
-def summary_writer(logdir: Path):
+def summary_writer(logdir: Path) -> Any:
     """tensorboardX's ``SummaryWriter`` for ``logdir``, imported without PyTorch: its package
     imports torch wherever torch is installed (2.4 s of every `lwm train` or `lwm vqgan train`
     start on a 2-core machine) only to accept torch tensors, and these writers log floats. A
