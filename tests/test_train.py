@@ -414,7 +414,9 @@ def test_metrics_reach_tensorboard_without_importing_torch(tmp_path):
         "if importlib.util.find_spec('torch'):\n"
         "    import torch; print(bool(torch.ones(1)))\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.split()[0] == "False", r.stdout
     assert r.stdout.split()[1:] in ([], ["True"]), r.stdout
