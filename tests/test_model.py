@@ -169,6 +169,20 @@ def test_sharded_init_equals_single_device_init():
         np.testing.assert_allclose(np.asarray(sharded[name]), np.asarray(single[name]), rtol=1e-6)
 
 
+_DENSE = {}
+
+
+def dense_reference(grid=None, window=0):
+    """The loss, metrics and gradients of the dense debug model (seed 0) on `make_batch`'s
+    batch, computed once per (vision_grid, vision_window) for the whole module: the tests
+    below compare a dozen other layouts and kernels with the same three references, and each
+    computation is a program to trace and compile (a few seconds each)."""
+    if (grid, window) not in _DENSE:
+        cfg = debug_cfg(attention="dense", vision_grid=grid, vision_window=window)
+        _DENSE[grid, window] = loss_and_grads(create_model(cfg), make_batch(debug_cfg()))
+    return _DENSE[grid, window]
+
+
 def _assert_close(a: dict, b: dict, rtol: float):
     for name in a:
         scale = float(jnp.max(jnp.abs(b[name]))) or 1.0
@@ -201,9 +215,7 @@ def test_sharded_model_equals_dense_on_one_device(
     mesh_shape, zigzag, attention, kernel, grid, window
 ):
     batch = make_batch(debug_cfg())
-    ref_loss, ref_metrics, ref_grads = loss_and_grads(
-        create_model(debug_cfg(attention="dense", vision_grid=grid, vision_window=window)), batch
-    )
+    ref_loss, ref_metrics, ref_grads = dense_reference(grid, window)
     mesh = make_mesh(mesh_shape)
     perm = zigzag_permutation(64, mesh.shape["sp"]) if zigzag else None
     cfg = debug_cfg(
@@ -224,7 +236,8 @@ def test_sharded_model_equals_dense_on_one_device(
 
 def test_blockwise_remat_and_chunked_mlp_do_not_change_results():
     batch = make_batch(debug_cfg())
-    ref = loss_and_grads(create_model(debug_cfg(attention="dense", remat_policy="none")), batch)
+    assert debug_cfg().remat_policy == "none"
+    ref = dense_reference()
     for overrides in (
         dict(attention="blockwise", remat_policy="nothing_saveable", mlp_chunk_size=16),
         dict(attention="blockwise", remat_policy="dots_saveable", scan_layers=True),
@@ -241,7 +254,8 @@ def test_chunked_mlp_over_a_sharded_sequence_equals_dense():
     """`model.mlp_chunk_size` with the sequence sharded (sp = 2: strided chunks that keep the
     sharding) gives the loss and gradients of the unchunked dense model."""
     batch = make_batch(debug_cfg())
-    ref = loss_and_grads(create_model(debug_cfg(attention="dense", remat_policy="none")), batch)
+    assert debug_cfg().remat_policy == "none"
+    ref = dense_reference()
     cfg = debug_cfg(attention="ring", block_q=4, block_k=4, mlp_chunk_size=16, zigzag=False)
     got = loss_and_grads(create_model(cfg, mesh=make_mesh("1,2,2,2")), batch)
     assert abs(float(got[0]) - float(ref[0])) <= 1e-5 * abs(float(ref[0]))
@@ -438,7 +452,7 @@ def test_partial_rotary_ring_model_equals_dense():
     ref_loss, _, ref_grads = loss_and_grads(
         create_model(debug_cfg(attention="dense", rope_dims=8)), batch
     )
-    full_loss, _, _ = loss_and_grads(create_model(debug_cfg(attention="dense")), batch)
+    full_loss, _, _ = dense_reference()
     assert float(full_loss) != float(ref_loss)
     mesh = make_mesh("1,2,4,1")
     model = create_model(debug_cfg(attention="ring", block_q=4, block_k=4, rope_dims=8), mesh=mesh)
