@@ -8,25 +8,50 @@ compile (each `lwm` process compiles dozens of small ones, the same in every run
 file: tests/test_train.py took 263 s instead of 300 with only those over 0.5 s kept). The
 folder (about 190 MB after the whole suite) is removed when the run ends.
 
-On the CPU, XLA's backend compiles at LLVM -O0 here (``--xla_backend_optimization_level=0``):
-the tests' programs are small, so compiling them is most of their time, and -O0 takes about a
-third off that. LLVM's level changes how fast the code runs, not what it computes. The `lwm`
-subprocesses keep it (`subprocess_xla_flags`), except the one training that runs for minutes
-(tests/test_vision_learning.py). The suite took 540 s instead of 677 on this project's 2-core
-machine (2026-12-05)."""
+On the CPU, XLA compiles for speed of compiling here: LLVM at -O0
+(``--xla_backend_optimization_level=0``) and XLA's older fusion code generator
+(``--xla_cpu_use_fusion_emitters=false``; the newer, MLIR-based one spent 2-3x as long on the
+tests' ring train step: 10-13 s against 4-6). The tests' programs are small, so compiling
+them is most of their time. Both choose how XLA turns the same HLO program into machine code:
+how fast it runs, not what it computes (results are compared with references within the
+tolerances the tests state, and bit for bit only between runs made with the same flags). The
+`lwm` subprocesses keep them (`subprocess_xla_flags`), except the one training that runs for
+minutes (tests/test_vision_learning.py). -O0 took the suite from 677 to 540 s on this
+project's 2-core machine (2026-12-05). An XLA that no longer knows the second flag would abort
+at start-up, so it is given only when a probe process accepts it."""
 
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 
 DEVICES = "--xla_force_host_platform_device_count=8"
-FAST_COMPILE = "--xla_backend_optimization_level=0"
+FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+
+
+def _xla_accepts(flag: str) -> bool:
+    """Whether this jaxlib starts with ``flag`` (an unknown flag in XLA_FLAGS is fatal)."""
+    env = dict(os.environ, XLA_FLAGS=flag, JAX_PLATFORMS="cpu")
+    code = "import jax; jax.devices()"
+    probe = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True)
+    return probe.returncode == 0
+
+
 if os.environ.get("LWM_REQUIRE_TPU") == "1":  # tests/test_tpu.py on a TPU VM: the chip
     os.environ.setdefault("JAX_PLATFORMS", "tpu,cpu")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # a GPU run of the cuDNN tests sets it
-for _flag in (DEVICES, FAST_COMPILE) if os.environ["JAX_PLATFORMS"] == "cpu" else (DEVICES,):
-    if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
+for _flag in (DEVICES, *FAST_COMPILE) if os.environ["JAX_PLATFORMS"] == "cpu" else (DEVICES,):
+    if _flag.split("=")[0] in os.environ.get("XLA_FLAGS", ""):
+        continue
+    if _flag == FAST_COMPILE[1]:  # checked once: pytest-xdist's workers inherit the answer
+        if os.environ.get("LWM_TESTS_FUSION_FLAG") == "no":
+            continue
+        if not _xla_accepts(_flag):
+            os.environ["LWM_TESTS_FUSION_FLAG"] = "no"
+            continue
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
+
 OWN_CACHE = None  # the compilation cache this run made, removed when it ends
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     OWN_CACHE = tempfile.mkdtemp(prefix="lwm-tests-jax-cache-")
@@ -45,6 +70,6 @@ def subprocess_xla_flags(*, fast_compile: bool = True) -> str:
     """XLA_FLAGS for a subprocess that picks its own devices (``--cpu-devices``): this
     process's, without the 8 simulated devices, and without `FAST_COMPILE` where the
     subprocess runs long enough for the code's speed to matter."""
-    drop = [DEVICES] if fast_compile else [DEVICES, FAST_COMPILE]
+    drop = [DEVICES] if fast_compile else [DEVICES, *FAST_COMPILE]
     names = tuple(flag.split("=")[0] for flag in drop)
     return " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(names))
