@@ -35,10 +35,12 @@ def demo_vqgan_command(
     lwm: list[str], cpu: list[str], output: Path, steps: int, manifest: Path
 ) -> list[str]:
     """`lwm vqgan train` of the demo's VQGAN (configs/vqgan/demo.yaml) on ``manifest``'s
-    videos: the step every pipeline script runs when it is given no trained VQGAN."""
+    videos: the step every pipeline script runs when it is given no trained VQGAN. Dead codes
+    are restarted during the first half of the ``steps``, as the config does for its own."""
     return (
         [*lwm, "vqgan", "train", *cpu, "--config", "configs/vqgan/demo.yaml"]
         + [f"train.output_dir={output}", f"train.steps={steps}"]
+        + [f"quantizer.restart_until={steps // 2}"]
         + [f"data.manifest={manifest}"]
     )
 

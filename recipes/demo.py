@@ -114,7 +114,7 @@ def main() -> int:
         help="videos to ask questions about (default 100: about 930 questions)",
     )
     p.add_argument("--frames", type=int, default=4, help="frames per video")
-    p.add_argument("--vqgan-steps", type=int, default=500, help="training steps of the VQGAN")
+    p.add_argument("--vqgan-steps", type=int, default=1000, help="training steps of the VQGAN")
     p.add_argument(
         "--lm-steps", type=int, default=800, help="steps of the world model on all questions"
     )
