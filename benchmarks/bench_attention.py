@@ -1003,8 +1003,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def check_args(args: argparse.Namespace, devices: int) -> None:
-    """Refuse, before any output, the options no case can run with (ValueError: one line)."""
+def check_args(args: argparse.Namespace, devices: int | None) -> None:
+    """Refuse, before any output, the options no case can run with (ValueError: one line);
+    with ``devices`` None (not known before JAX starts on an accelerator), those that do not
+    depend on the number of devices."""
     for flag, value in (
         ("--heads", args.heads),
         ("--kv-heads", args.kv_heads),
@@ -1018,7 +1020,7 @@ def check_args(args: argparse.Namespace, devices: int) -> None:
     heads = args.heads or HEADS
     if args.kv_heads and heads % args.kv_heads:
         raise ValueError(f"--kv-heads {args.kv_heads} does not divide the {heads} query heads")
-    if args.efficiency_only:
+    if args.efficiency_only or devices is None:
         return
     # the zigzag layout gives each device two equal chunks: a multiple of 2 x devices
     seqs = [parse_long_case(c)[1] for c in args.long_cases] if args.long else args.seqs
@@ -1043,6 +1045,9 @@ def check_args(args: argparse.Namespace, devices: int) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     global PLATFORM, DEVICES, HEADS, KV_HEADS, HEAD_DIM, DOC_LEN, DTYPE, KERNEL
     args = parse_args(argv)
+    # what can be checked before JAX starts (bad input costs no start-up); again with the
+    # devices JAX finds
+    check_args(args, args.cpu_devices if args.platform == "cpu" else None)
     try:  # before JAX has devices
         PLATFORM = start_platform(args)
     except MeshError as e:

@@ -95,6 +95,17 @@ def bench(cfg, sp: int, length: int, chunk: int, steps: int, plan_only: bool = F
     }
 
 
+def positive_ints(flag: str, text: str) -> list[int]:
+    """The comma-separated positive integers of option ``flag`` (ValueError: one line)."""
+    try:
+        values = [int(n) for n in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{flag} '{text}': expected comma-separated integers") from None
+    if min(values) < 1:
+        raise ValueError(f"{flag} '{text}': every value must be at least 1")
+    return values
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
@@ -115,10 +126,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_platform_argument(p, cpu_devices=8)
     args = p.parse_args(argv)
-    platform = start_platform(args)  # before anything asks JAX for devices
+    # all input checked before JAX starts (bad input costs no start-up)
     cfg = load_config(args.config).model
-    for sp in (int(s) for s in args.sp.split(",")):
-        for length in (int(n) for n in args.lengths.split(",")):
+    sps, lengths = positive_ints("--sp", args.sp), positive_ints("--lengths", args.lengths)
+    for flag, value in (("--chunk", args.chunk), ("--decode", args.decode)):
+        if value < 1:
+            raise ValueError(f"{flag} must be at least 1, not {value}")
+    platform = start_platform(args)  # before anything asks JAX for devices
+    for sp in sps:
+        for length in lengths:
             chunk = min(args.chunk, length)  # a context shorter than a chunk is one chunk
             result = bench(cfg, sp, length, chunk, args.decode, args.plan_only)
             print(json.dumps({**result, "platform": platform}), flush=True)

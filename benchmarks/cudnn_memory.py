@@ -56,7 +56,6 @@ def main() -> int:
         "overrides", nargs="*", metavar="KEY=VALUE", help="config overrides for step cases"
     )
     args = p.parse_intermixed_args()
-    use_cpu_devices(1)
     import re
 
     from lwm.config import ConfigError
@@ -70,6 +69,7 @@ def main() -> int:
                 file=sys.stderr,
             )
             return 2
+    use_cpu_devices(1)  # once the input is checked: bad input costs no start of JAX
     for case in args.cases.split(","):
         try:
             print(json.dumps(probe(case, args)), flush=True)

@@ -494,15 +494,11 @@ def script_path(name: str) -> Path:
     return path
 
 
-# Scripts that set JAX's CPU devices (their --cpu-devices) before they read the rest of their
-# input: in a process where JAX has started (any earlier test of this file) they stop there.
-SETS_DEVICES_FIRST = {"bench_generate", "cudnn_memory", "bench_attention"}
-
-
 @pytest.mark.parametrize(
     "script, args, message",
     [
         ("bench_generate", ["--config", "/nowhere.yaml"], "config file '/nowhere.yaml' not found"),
+        ("bench_generate", ["--sp", "1,0"], "--sp '1,0': every value must be at least 1"),
         ("bench_train", ["--attention", "bogus"], "unknown --attention 'bogus' (known: dense,"),
         ("cudnn_memory", ["--cases", "sacn"], "unknown case 'sacn' (attention: plain or"),
         ("bench_loader", ["--batches", "0"], "--batches, --prefetch and --min-len must be at"),
@@ -529,26 +525,23 @@ def test_a_script_given_bad_input_says_so_in_one_line(
 ) -> None:
     """The scripts end as the lwm verbs do (`lwm.cli.run_reporting_errors`): bad input is one
     line naming it, exit 2, nothing on stdout (several were tracebacks, or ran anyway: an
-    unknown --attention timed blockwise under its name, an unknown case ran as plain). Most run
+    unknown --attention timed blockwise under its name, an unknown case ran as plain). They run
     as ``__main__`` in this process (a new Python's start-up was 2-5 s of each case): the exit
     status is the one their last line raises, and an exception let out would fail here with its
-    traceback; `SETS_DEVICES_FIRST` run in a new Python."""
+    traceback. JAX has started here first: a script that set its devices before checking its
+    input (three did: bad input cost a start of JAX) would stop on that instead."""
     import runpy
 
+    import jax
+
+    jax.devices()
     path = script_path(script)
-    if script in SETS_DEVICES_FIRST:  # they need a Python whose JAX has not started
-        result = subprocess.run(
-            [sys.executable, str(path), *args],
-            cwd=ROOT, capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
-        code, out, err = result.returncode, result.stdout, result.stderr
-    else:
-        monkeypatch.chdir(ROOT)
-        monkeypatch.setattr(sys, "argv", [str(path), *args])
-        with pytest.raises(SystemExit) as stop:
-            runpy.run_path(str(path), run_name="__main__")
-        code = stop.value.code
-        out, err = capsys.readouterr()
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(sys, "argv", [str(path), *args])
+    with pytest.raises(SystemExit) as stop:
+        runpy.run_path(str(path), run_name="__main__")
+    code = stop.value.code
+    out, err = capsys.readouterr()
     assert code == 2 and out == "", err
     assert err.startswith(f"{script}: error: ") and message in err
     assert len(err.strip().splitlines()) == 1, err
