@@ -21,12 +21,10 @@ import numpy as np
 import pytest
 from jax.extend.core import ClosedJaxpr, Jaxpr
 from test_attention import (
-    assert_matches,
     document_positions,
     mesh_of,
     packed_segments,
     qkv,
-    value_and_grads,
 )
 
 import lwm.attention.cudnn as cudnn
@@ -60,6 +58,92 @@ def long_documents(b: int, s: int, cut: int) -> jax.Array:
     return jnp.asarray(np.broadcast_to((np.arange(s) >= cut).astype(np.int32), (b, s)))
 
 
+# ---------------------------------------------------------------------------------------------
+# One compiled program per attention call, shared by the cases that differ only in their masks.
+# Compiling is most of these tests' time on the CPU. `test_attention.value_and_grads` closes
+# over the positions and segment ids, so every case compiled its own programs (ours and dense
+# attention's); here they are arguments, as is the fixed random projection of the output (the
+# same numbers), and each program is compiled once per what it depends on besides them. The
+# masks traced, every pair's kind is decided at run time, as in training, where positions and
+# segment ids are data (`conditionals`).
+
+_PROGRAMS: dict = {}
+
+
+def _attend(kind: str, static: tuple):
+    """The attention call ``kind`` with the options ``static`` (pairs of name and value: all
+    the call depends on besides q, k, v and the masks): ``dense``, or the cuDNN path (its
+    stand-in here) of ``blockwise`` or ``ring`` attention (``mesh_shape`` among the options)."""
+    options = dict(static)
+    if kind == "dense":
+        return lambda q, k, v, **masks: dense_attention(q, k, v, **options, **masks)
+    if kind == "blockwise":
+        return lambda q, k, v, **masks: blockwise_attention(
+            q, k, v, kernel="cudnn", **options, **masks
+        )
+    mesh = mesh_of(options.pop("mesh_shape"))
+    return lambda q, k, v, **masks: ring_attention(
+        q, k, v, mesh=mesh, kernel="cudnn", **options, **masks
+    )
+
+
+def shared_program(kind: str, q, k, v, masks=None, *, causal: bool = True, **static):
+    """The compiled program of `value_and_grads` of `_attend` ``(kind, static)`` and the
+    jaxpr it was compiled from: ``(q, k, v, w, masks) -> (output, (dq, dk, dv))`` for the
+    projection ``w`` of the output and ``masks`` (positions and segment ids, by keyword,
+    traced). Compiled once per call, options, `cudnn.pairs.PIECE` (read when tracing) and
+    shapes of the arguments; `shared_value_and_grads` runs it."""
+    static["causal"] = causal
+    options = tuple(sorted(static.items()))
+    w = jax.ShapeDtypeStruct(q.shape, jnp.float32)  # the projection, an argument
+    args = (q, k, v, w, {} if masks is None else dict(masks))
+    avals = tuple((x.shape, x.dtype) for x in jax.tree.leaves(args))
+    key = (kind, options, cudnn.pairs.PIECE, jax.tree.structure(args), avals)
+    if key not in _PROGRAMS:
+        attend = _attend(kind, options)
+
+        def value_and_grads_of(q, k, v, w, masks):
+            def loss(q, k, v):
+                out = attend(q, k, v, **masks)
+                return jnp.sum(out.astype(jnp.float32) * w), out
+
+            (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+            return out, grads
+
+        traced = jax.jit(value_and_grads_of).trace(*args)
+        _PROGRAMS[key] = traced.lower().compile(), traced.jaxpr.jaxpr
+    return _PROGRAMS[key]
+
+
+def shared_value_and_grads(kind: str, q, k, v, masks=None, **static):
+    """`value_and_grads` of `_attend` ``(kind, static)`` with ``masks`` (positions and segment
+    ids, by keyword), by `shared_program`: the output and (dq, dk, dv) of the same projection
+    of the output, and the program's jaxpr."""
+    compiled, jaxpr = shared_program(kind, q, k, v, masks, **static)
+    w = jnp.asarray(np.random.default_rng(7).normal(size=q.shape), jnp.float32)
+    out, grads = compiled(q, k, v, w, {} if masks is None else dict(masks))
+    return out, grads, jaxpr
+
+
+def assert_matches_dense(
+    kind: str, q, k, v, masks=None, *, dense_masks=None, causal: bool = True, **static
+):
+    """`test_attention.assert_matches` of `_attend` ``(kind, static)`` against dense attention
+    (with ``dense_masks``, by default the same ``masks``), through `shared_value_and_grads`:
+    output to 1e-5, gradients to 1e-4 relative, the same shapes and dtypes. Returns the jaxpr
+    of the program of ``kind``."""
+    out, grads, program = shared_value_and_grads(kind, q, k, v, masks, causal=causal, **static)
+    dense_masks = masks if dense_masks is None else dense_masks
+    ref, ref_grads, _ = shared_value_and_grads("dense", q, k, v, dense_masks, causal=causal)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert float(jnp.max(jnp.abs(out - ref))) <= 1e-5
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads, strict=True):
+        assert g.shape == r.shape and g.dtype == r.dtype, name
+        rel = float(jnp.max(jnp.abs(g - r)) / jnp.max(jnp.abs(r)))
+        assert rel <= 1e-4, f"{name} relative error {rel}"
+    return program
+
+
 @pytest.mark.parametrize("mesh_shape", [(1, 1, 8, 1), (1, 2, 2, 2), (1, 1, 1, 1)])
 @pytest.mark.parametrize("docs", ["one", "long", "packed"])
 def test_ring_cudnn_schedule_with_standin_equals_dense(small_pieces, mesh_shape, docs):
@@ -78,15 +162,9 @@ def test_ring_cudnn_schedule_with_standin_equals_dense(small_pieces, mesh_shape,
         pos = document_positions(seg)[:, perm]
         seg = seg[:, perm]
         kw = dict(q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg)
-    mesh = mesh_of(mesh_shape)
-    assert_matches(
-        lambda q, k, v: ring_attention(
-            q, k, v, mesh=mesh, block_q=4, block_k=4, kernel="cudnn", **kw
-        ),
-        lambda q, k, v: dense_attention(q, k, v, **kw),
-        q[:, perm],
-        k[:, perm],
-        v[:, perm],
+    # `long` and `packed` share one compiled ring per mesh (`shared_value_and_grads`)
+    assert_matches_dense(
+        "ring", q[:, perm], k[:, perm], v[:, perm], kw, mesh_shape=mesh_shape, block_q=4, block_k=4
     )
 
 
@@ -95,19 +173,9 @@ def test_blockwise_cudnn_schedule_with_standin_equals_dense(small_pieces, causal
     """One device, contiguous positions; rows that see no key (segments that match nothing)."""
     q, k, v = qkv(s=48, h=4, kvh=2)
     seg = jnp.concatenate([jnp.zeros((2, 32), jnp.int32), jnp.ones((2, 16), jnp.int32)], 1)
-    kw = dict(causal=causal, q_segment_ids=seg, kv_segment_ids=seg.at[:, 32:].set(5))
-
-    def fn(q, k, v):
-        return blockwise_attention(q, k, v, block_q=8, block_k=8, kernel="cudnn", **kw)
-
-    assert_matches(fn, lambda q, k, v: dense_attention(q, k, v, **kw), q, k, v)
-    assert_matches(
-        lambda q, k, v: blockwise_attention(q, k, v, kernel="cudnn", causal=causal),
-        lambda q, k, v: dense_attention(q, k, v, causal=causal),
-        q,
-        k,
-        v,
-    )
+    kw = dict(q_segment_ids=seg, kv_segment_ids=seg.at[:, 32:].set(5))
+    assert_matches_dense("blockwise", q, k, v, kw, causal=causal, block_q=8, block_k=8)
+    assert_matches_dense("blockwise", q, k, v, causal=causal)
 
 
 @pytest.mark.parametrize("mesh_shape", [(1, 1, 8, 1), (1, 2, 2, 2), (1, 1, 1, 1)])
@@ -123,86 +191,71 @@ def test_one_document_in_a_known_order_cudnn_schedule_with_standin_equals_dense(
     perm = zigzag_permutation(s, sp) if layout == "zigzag" else np.arange(s)
     pos = jnp.broadcast_to(jnp.asarray(perm, jnp.int32), (2, s))
     q, k, v = qkv(s=s)
-    mesh = mesh_of(mesh_shape)
-    assert_matches(
-        lambda q, k, v: ring_attention(
-            q, k, v, mesh=mesh, causal=causal, layout=layout, block_q=4, block_k=4, kernel="cudnn"
-        ),
-        lambda q, k, v: dense_attention(q, k, v, causal=causal, q_positions=pos, kv_positions=pos),
+    assert_matches_dense(
+        "ring",
         q[:, perm],
         k[:, perm],
         v[:, perm],
+        dense_masks=dict(q_positions=pos, kv_positions=pos),  # ours: no positions
+        causal=causal,
+        mesh_shape=mesh_shape,
+        layout=layout,
+        block_q=4,
+        block_k=4,
     )
 
 
-def conditionals(fn, *args) -> int:
-    """How many conditionals the compiled gradient of ``fn`` holds (each one makes a GPU wait
-    for its predicate before it launches the branch: 1-2 ms per fwd+bwd at 8K on an H200)."""
-
-    def loss(q, k, v, *args):
-        return jnp.sum(fn(q, k, v, *args))
-
-    step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))  # args traced: not folded as constants
-    return step.lower(*qkv(s=64), *args).compile().as_text().count(" conditional(")
+def conditionals(kind: str, q, k, v, masks=None, **static) -> int:
+    """How many conditionals the compiled gradient of `_attend` ``(kind, static)`` holds (each
+    one makes a GPU wait for its predicate before it launches the branch: 1-2 ms per fwd+bwd
+    at 8K on an H200); the masks are traced, not folded as constants (`shared_program`)."""
+    compiled, _ = shared_program(kind, q, k, v, masks, **static)
+    return compiled.as_text().count(" conditional(")
 
 
 def test_one_document_in_a_known_order_decides_nothing_at_run_time():
     """The zigzag ring and one device, given no positions: no conditional anywhere (the kinds of
     all pairs are known when tracing). Given the same positions as arrays, every pair's kind is
-    decided at run time."""
+    decided at run time. (The programs without positions are those of
+    `test_one_document_in_a_known_order_cudnn_schedule_with_standin_equals_dense`.)"""
     s = 64
-    for sp in (1, 4):
-        mesh = mesh_of((1, 1, sp, 1))
-        pos = jnp.broadcast_to(jnp.asarray(zigzag_permutation(s, sp), jnp.int32), (2, s))
-
-        def ring(q, k, v, *positions, mesh=mesh):
-            kw = dict(q_positions=positions[0], kv_positions=positions[0]) if positions else {}
-            return ring_attention(q, k, v, mesh=mesh, layout="zigzag", kernel="cudnn", **kw)
-
-        assert conditionals(ring) == 0, sp
-        assert conditionals(ring, pos) > 0, sp
+    for mesh_shape in ((1, 1, 1, 1), (1, 1, 8, 1)):  # the ring on 8 devices, as that test's
+        pos = jnp.broadcast_to(jnp.asarray(zigzag_permutation(s, mesh_shape[2]), jnp.int32), (2, s))
+        ring = dict(mesh_shape=mesh_shape, layout="zigzag", block_q=4, block_k=4)
+        assert conditionals("ring", *qkv(s=s), **ring) == 0, mesh_shape
+        masks = dict(q_positions=pos, kv_positions=pos)
+        assert conditionals("ring", *qkv(s=s), masks, **ring) > 0, mesh_shape
 
 
 def test_every_loop_has_a_known_trip_count(small_pieces):
     """Every loop of the cuDNN path's compiled gradient has a trip count known when compiling
     (the blockwise path with packed documents, its pieces folded in loops; the zigzag ring with
     and without positions; packed rows told ``in_order``). On a GPU, XLA's while loop without one reads its condition back to
-    the host after every iteration (`WhileThunk`): a wait per iteration, as a conditional's."""
+    the host after every iteration (`WhileThunk`): a wait per iteration, as a conditional's.
+    (The ring with positions and the rows told ``in_order`` are programs of
+    `test_ring_cudnn_schedule_with_standin_equals_dense` and
+    `test_in_order_rows_cudnn_schedule_with_standin_equal_dense`.)"""
     import re
 
     seg = packed_segments(2, 64)
     pos = document_positions(seg)
-    mesh = mesh_of((1, 1, 4, 1))
-    perm = zigzag_permutation(64, 4)
+    perm = zigzag_permutation(64, 8)  # the ring on 8 devices, as those tests'
     zpos, zseg = pos[:, perm], seg[:, perm]
-
-    def packed(q, k, v, pos, seg):
-        kw = dict(q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg)
-        return blockwise_attention(q, k, v, kernel="cudnn", **kw)
-
-    def ring(q, k, v, pos, seg):
-        kw = dict(q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg)
-        return ring_attention(q, k, v, mesh=mesh, layout="zigzag", kernel="cudnn", **kw)
-
-    def ring_one_document(q, k, v, *_):
-        return ring_attention(q, k, v, mesh=mesh, layout="zigzag", kernel="cudnn")
-
-    def in_order(q, k, v, pos, seg):
-        kw = dict(q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg)
-        return blockwise_attention(q, k, v, kernel="cudnn", in_order=True, **kw)
-
-    cases = ((packed, (pos, seg)), (ring, (zpos, zseg)), (ring_one_document, ()))
-    for fn, args in (*cases, (in_order, (pos, seg))):
-
-        def loss(q, k, v, *args, fn=fn):
-            return jnp.sum(fn(q, k, v, *args))
-
-        step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-        text = step.lower(*qkv(s=64), *args).compile().as_text()
+    kw = dict(q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg)
+    zkw = dict(q_positions=zpos, kv_positions=zpos, q_segment_ids=zseg, kv_segment_ids=zseg)
+    ring = dict(mesh_shape=(1, 1, 8, 1), block_q=4, block_k=4)
+    cases = {
+        "packed": ("blockwise", kw, {}),
+        "ring": ("ring", zkw, ring),
+        "ring_one_document": ("ring", None, dict(ring, layout="zigzag")),
+        "in_order": ("blockwise", kw, dict(in_order=True)),
+    }
+    for name, (kind, masks, static) in cases.items():
+        text = shared_program(kind, *qkv(s=64), masks, **static)[0].as_text()
         loops = [line for line in text.splitlines() if re.search(r" = .* while\(", line)]
-        assert loops or fn is ring_one_document, fn.__name__
+        assert loops or name == "ring_one_document", name
         unknown = [line[:120] for line in loops if "known_trip_count" not in line]
-        assert not unknown, (fn.__name__, unknown)
+        assert not unknown, (name, unknown)
 
 
 def kinds_of_ring(s: int, sp: int, seg: np.ndarray | None) -> set[int]:
@@ -332,8 +385,14 @@ def brute_look_back(pos, seg) -> int:
 
 def brute_keys_precede_queries(pos, seg) -> bool:
     """`keys_precede_queries` by its definition: nothing visible above the diagonal."""
-    seen = np.asarray(attention_mask(jnp.asarray(pos), jnp.asarray(pos), seg, seg, True))
+    seen = np.asarray(_attention_mask(jnp.asarray(pos), jnp.asarray(pos), seg, seg, True))
     return not np.triu(seen, 1).any()
+
+
+# Jitted, one program per shape (called eagerly, each of their operations compiled its own).
+_attention_mask = jax.jit(attention_mask, static_argnums=4)
+_keys_precede_queries = jax.jit(keys_precede_queries)
+_look_back = jax.jit(look_back, static_argnums=1)
 
 
 @pytest.mark.parametrize(
@@ -345,13 +404,10 @@ def test_in_order_rows_cudnn_schedule_with_standin_equal_dense(small_pieces, row
     of masked pieces on and below the diagonal equals dense attention, output to 1e-5 and
     gradients to 1e-4 (fp32, GQA; 8, 2 and 4 pieces a side)."""
     seg, pos = in_order_rows(rows, 2, s)
-    assert bool(keys_precede_queries(pos, seg)) and brute_keys_precede_queries(pos, seg)
+    assert bool(_keys_precede_queries(pos, seg)) and brute_keys_precede_queries(pos, seg)
     kw = dict(q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg)
-
-    def ours(q, k, v):
-        return blockwise_attention(q, k, v, kernel="cudnn", in_order=True, **kw)
-
-    assert_matches(ours, lambda q, k, v: dense_attention(q, k, v, **kw), *qkv(s=s))
+    # the rows of one length share one compiled program (`shared_value_and_grads`)
+    assert_matches_dense("blockwise", *qkv(s=s), kw, in_order=True)
 
 
 def top_level_conds(jaxpr) -> list[tuple[int, ...]]:
@@ -410,13 +466,10 @@ def test_in_order_is_a_hint_checked_on_the_device(small_pieces):
     flat = jnp.where(padded == 0, 0, pos)
     zigzag = jnp.broadcast_to(jnp.asarray(zigzag_permutation(64, 2), jnp.int32), (2, 64))
     for pos, seg in ((flat, padded), (zigzag, jnp.ones_like(padded))):
-        assert not bool(keys_precede_queries(pos, seg))
+        assert not bool(_keys_precede_queries(pos, seg))
         kw = dict(q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg)
-
-        def ours(q, k, v, kw=kw):
-            return blockwise_attention(q, k, v, kernel="cudnn", in_order=True, **kw)
-
-        assert_matches(ours, lambda q, k, v, kw=kw: dense_attention(q, k, v, **kw), *qkv(s=64))
+        # the program of `test_in_order_rows_cudnn_schedule_with_standin_equal_dense` at 64
+        assert_matches_dense("blockwise", *qkv(s=64), kw, in_order=True)
 
 
 def short_documents(b: int, s: int) -> tuple[jax.Array, jax.Array]:
@@ -454,16 +507,13 @@ def test_in_order_rows_within_reach_skip_the_pieces_out_of_it(small_pieces):
     schedule runs."""
     s = 128
     seg, pos = short_documents(2, s)
-    assert int(look_back(seg, s)) == 12 == look_back(np.asarray(seg), s, np)
+    assert int(_look_back(seg, s)) == 12 == look_back(np.asarray(seg), s, np)
     kw = dict(q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg)
     for reach, lengths in ((12, {16, 2}), (4, {16, 1}), (None, {8, 15})):
-
-        def ours(q, k, v, reach=reach):
-            return blockwise_attention(q, k, v, kernel="cudnn", in_order=True, reach=reach, **kw)
-
-        assert_matches(ours, lambda q, k, v: dense_attention(q, k, v, **kw), *qkv(s=s))
-        grad = jax.grad(lambda q, k, v, f=ours: jnp.sum(f(q, k, v)), argnums=(0, 1, 2))
-        found = scan_lengths(jax.make_jaxpr(grad)(*qkv(s=s)).jaxpr)
+        # the loops of the program that computed the gradient (forward and backward)
+        found = scan_lengths(
+            assert_matches_dense("blockwise", *qkv(s=s), kw, in_order=True, reach=reach)
+        )
         assert lengths <= found and not ({8, 15, 2, 1} - lengths) & found, (reach, found)
 
 
@@ -629,8 +679,13 @@ def test_layers_in_a_scan_do_not_hoist_quadratic_masks():
     import sys
     from pathlib import Path
 
+    from conftest import subprocess_xla_flags
+
     root = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    # The script picks its one CPU device; it compiles as this process does (`conftest`: the
+    # same planned temporaries as XLA's default flags, 6 s of CPU instead of 17).
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    env["XLA_FLAGS"] = subprocess_xla_flags()
     run = subprocess.run(
         [sys.executable, str(root / "benchmarks" / "cudnn_memory.py"), "--seq", "4096"]
         + ["--heads", "4", "--head-dim", "32", "--piece", "256"]
@@ -699,6 +754,9 @@ def test_gpu_blockwise_cudnn_within_twice_dense_bfloat16(monkeypatch, docs):
     within_twice_dense_bfloat16(monkeypatch, docs)
 
 
+_DENSE_BFLOAT16_REFERENCES: dict = {}  # `within_twice_dense_bfloat16`'s, by length and masks
+
+
 def within_twice_dense_bfloat16(monkeypatch, docs: str) -> None:
     """On one device, pieces of 256 tokens (every pair kind): the error of the cuDNN path
     against float32 dense attention is at most twice that of dense attention computed in bf16,
@@ -719,7 +777,7 @@ def within_twice_dense_bfloat16(monkeypatch, docs: str) -> None:
     elif docs == "short-in-order":
         seg, pos = short_documents(2, s)
         kw = dict(q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg)
-        kw |= dict(reach=int(look_back(seg, s)))
+        kw |= dict(reach=int(_look_back(seg, s)))
     elif docs != "one":
         seg = long_documents(2, s, s * 700 // 1024) if docs == "long" else packed_segments(2, s)
         pos = document_positions(seg)
@@ -728,11 +786,21 @@ def within_twice_dense_bfloat16(monkeypatch, docs: str) -> None:
     if ON_GPU:  # cuDNN's kernels, not the XLA kernel it falls back to for what cuDNN refuses
         assert cudnn.unsupported(bf[0], bf[1]) is None, cudnn.unsupported(bf[0], bf[1])
     masks = {key: x for key, x in kw.items() if key != "reach"}
-    ref, ref_g = value_and_grads(lambda q, k, v: dense_attention(q, k, v, **masks), q32, k32, v32)
-    dense, dense_g = value_and_grads(lambda q, k, v: dense_attention(q, k, v, **masks), *bf)
+    # Dense attention's programs are shared by the cases (`shared_value_and_grads`), and its
+    # results by those of the same masks: ``one`` takes the positions dense attention defaults
+    # to, those of ``one-positions``.
+    default = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (2, s))
+    dense_masks = masks or dict(q_positions=default, kv_positions=default)
+    key = (s, tuple((name, np.asarray(x).tobytes()) for name, x in sorted(dense_masks.items())))
+    if key not in _DENSE_BFLOAT16_REFERENCES:
+        _DENSE_BFLOAT16_REFERENCES[key] = tuple(
+            shared_value_and_grads("dense", *inputs, dense_masks)[:2]
+            for inputs in ((q32, k32, v32), bf)
+        )
+    (ref, ref_g), (dense, dense_g) = _DENSE_BFLOAT16_REFERENCES[key]
     in_order = docs.endswith("in-order")
-    ours, ours_g = value_and_grads(
-        lambda q, k, v: blockwise_attention(q, k, v, kernel="cudnn", in_order=in_order, **kw), *bf
+    ours, ours_g, _ = shared_value_and_grads(
+        "blockwise", *bf, masks, in_order=in_order, reach=kw.get("reach")
     )
 
     def err(x, r):
