@@ -61,6 +61,12 @@ def value_and_grads(fn, q, k, v):
 def assert_matches(fn, ref_fn, q, k, v, fwd_tol=1e-5, grad_tol=1e-4):
     out, grads = value_and_grads(fn, q, k, v)
     ref, ref_grads = value_and_grads(ref_fn, q, k, v)
+    assert_close(out, grads, ref, ref_grads, fwd_tol, grad_tol)
+
+
+def assert_close(out, grads, ref, ref_grads, fwd_tol=1e-5, grad_tol=1e-4):
+    """``out`` within ``fwd_tol`` of ``ref`` and each of (dq, dk, dv) within ``grad_tol``
+    relative (to the reference's largest magnitude), with the same shapes and dtypes."""
     assert out.shape == ref.shape and out.dtype == ref.dtype
     assert float(jnp.max(jnp.abs(out - ref))) <= fwd_tol
     for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads, strict=True):
