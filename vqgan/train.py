@@ -34,7 +34,7 @@ from lwm.base.mesh import BATCH_AXES, MeshError, batch_devices
 from lwm.base.metrics import MetricsWriter
 from lwm.base.schedule import warmup_schedule
 from lwm.base.signals import StopSignals
-from vqgan.checkpoint import Checkpointer
+from vqgan.checkpoint import Checkpointer, latest_checkpoint_step
 from vqgan.config import (
     LossConfig,
     QuantizerConfig,
@@ -333,13 +333,13 @@ def train(
     cfg: VQGANConfig,
     *,
     mesh: Mesh,
-    source: FrameSource,
+    source: FrameSource | Callable[[], FrameSource],
     stop_at: int | None = None,
     log: Callable[[str], None] | None = None,
 ) -> dict[str, float]:
     """Train (or resume) per ``cfg`` on ``mesh`` (built by the caller from ``cfg.mesh``) with
-    the frames of ``source`` (`data.vqgan_frames.load_frames`); returns the final held-out
-    metrics.
+    the frames of ``source`` (`data.vqgan_frames.load_frames`, or a function that returns
+    them, called only when there are steps to run); returns the final held-out metrics.
 
     ``stop_at``: stop after this many completed steps (checkpointing there), as an interrupted
     run would; a later call resumes. The weights and eval.json are written only at the end.
@@ -358,6 +358,15 @@ def train(
         raise MeshError(
             f"train.batch_size {t.batch_size} is not divisible by dp x fsdp = {data} devices"
         )
+    # A finished run (its newest checkpoint at or past train.steps, its weights written) is
+    # said before its frames are decoded or its state restored: seconds, not a minute.
+    newest = latest_checkpoint_step(out / "checkpoints")
+    if newest is not None and newest >= t.steps:
+        finished = _finished(out, newest)
+        if finished is not None:
+            return _nothing_to_do(out, newest, saved, cfg, log, finished)
+    if callable(source):
+        source = source()
     eval_idx = np.unique(np.linspace(0, len(source.eval) - 1, t.eval_frames).astype(int))
     eval_frames = source.eval[eval_idx]
     grid_idx = np.linspace(0, len(eval_frames) - 1, t.grid_frames).astype(int)
@@ -371,12 +380,9 @@ def train(
         state.load_trees(*found[1:])
         log(f"resumed from checkpoint {start}")
     finished = _finished(out, start)
-    if start >= t.steps and finished is not None:
-        log(f"nothing to do: checkpoint {start} already reaches train.steps={t.steps}")
-        if saved is not None:
-            _record_use_settings(out, saved, cfg, log)
+    if start >= t.steps and finished is not None:  # the newest was damaged, this one reaches
         ckpt.close()
-        return finished
+        return _nothing_to_do(out, start, saved, cfg, log, finished)
     if start < t.steps:  # the settings the steps to come run with
         if saved is not None and start > 0:
             changes = keep_config_before_changes(out, saved, cfg, RESUME_SECTIONS, start)
@@ -453,6 +459,20 @@ def train(
     at = max(start, t.steps)  # the step of the weights written
     (out / "eval.json").write_text(json.dumps({"step": at, **metrics}, indent=1) + "\n")
     return metrics
+
+
+def _nothing_to_do(
+    out: Path,
+    step: int,
+    saved: VQGANConfig | None,
+    cfg: VQGANConfig,
+    log: Callable[[str], None],
+    finished: dict[str, float],
+) -> dict[str, float]:
+    log(f"nothing to do: checkpoint {step} already reaches train.steps={cfg.train.steps}")
+    if saved is not None:
+        _record_use_settings(out, saved, cfg, log)
+    return finished
 
 
 def _finished(out: Path, step: int) -> dict[str, float] | None:

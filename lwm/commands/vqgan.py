@@ -138,7 +138,7 @@ def _train(args: argparse.Namespace) -> int:
         warn=lambda msg: print(f"lwm vqgan: warning: {msg}", file=sys.stderr),
     ):
         try:
-            metrics = train(cfg, mesh=mesh, source=load_frames(cfg))
+            metrics = train(cfg, mesh=mesh, source=lambda: load_frames(cfg))
         except TrainingStopped as stopped:  # saved; it said so
             return exit_status(stopped.signal)
     print(
