@@ -48,25 +48,26 @@ pytestmark = pytest.mark.skipif(
 SEQ, BLOCK = 2048, 512
 
 
-def inputs(h: int, kvh: int, d: int, dtype, b: int = 2, seed: int = 0):
+def inputs(h: int, kvh: int, d: int, dtype, b: int = 2, seed: int = 0, seq: int = SEQ):
     rng = np.random.default_rng(seed)
-    shapes = ((b, SEQ, h, d), (b, SEQ, kvh, d), (b, SEQ, kvh, d), (b, SEQ, h, d))
+    shapes = ((b, seq, h, d), (b, seq, kvh, d), (b, seq, kvh, d), (b, seq, h, d))
     return tuple(jnp.asarray(rng.normal(size=s), dtype) for s in shapes)
 
 
-def packed_qa_row(b: int) -> tuple[jax.Array, jax.Array]:
+def packed_qa_row(b: int, seq: int = SEQ) -> tuple[jax.Array, jax.Array]:
     """Positions and segment ids of rows packed as training packs them: row 0 one document;
     row 1 a plain document, then a QA document (a video turn 0 that every question sees, then
     three question turns that see it and themselves), then another plain document, positions
-    restarting at each document."""
-    seg = np.zeros((b, SEQ), np.int32)
-    pos = np.tile(np.arange(SEQ, dtype=np.int32), (b, 1))
-    cuts = [0, 300, 1100, 1300, 1500, 1700, SEQ]  # plain, turn 0, turns 1-3, plain
+    restarting at each document (cut where they are in 2048 tokens, scaled to ``seq``)."""
+    seg = np.zeros((b, seq), np.int32)
+    pos = np.tile(np.arange(seq, dtype=np.int32), (b, 1))
+    # plain, turn 0, turns 1-3, plain
+    cuts = [round(c * seq / 2048) for c in (0, 300, 1100, 1300, 1500, 1700, 2048)]
     ids = [1, turn_segment_ids(2, 0), turn_segment_ids(2, 1), turn_segment_ids(2, 2)]
     ids += [turn_segment_ids(2, 3), 3]
     for (lo, hi), sid in zip(zip(cuts[:-1], cuts[1:], strict=True), ids, strict=True):
         seg[1, lo:hi] = sid
-    for lo, hi in ((0, 300), (300, 1700), (1700, SEQ)):  # one position range per document
+    for lo, hi in ((0, cuts[1]), (cuts[1], cuts[5]), (cuts[5], seq)):  # one range per document
         pos[1, lo:hi] = np.arange(hi - lo)
     return jnp.asarray(pos), jnp.asarray(seg)
 
@@ -115,20 +116,27 @@ GRID = [
     ("packed_qa", 128, jnp.bfloat16),
     ("packed_qa", 64, jnp.float32),
 ]
+# The demo's world model on one chip (`recipes/demo.py --platform tpu`): heads of 32, rows of
+# 832 tokens in blocks of 208 (896 and 224 in its first stage), blocks that are not multiples
+# of the chip's 128 lanes.
+DEMO_GRID = [("packed_qa", 32, jnp.bfloat16, 832, 208), ("packed_qa", 32, jnp.float32, 896, 224)]
 
 
-@pytest.mark.parametrize(("case", "head_dim", "dtype"), GRID)
-def test_compiled_pallas_kernel_equals_dense(case, head_dim, dtype):
+@pytest.mark.parametrize(
+    ("case", "head_dim", "dtype", "seq", "block"),
+    [(*g, SEQ, BLOCK) for g in GRID] + DEMO_GRID,
+)
+def test_compiled_pallas_kernel_equals_dense(case, head_dim, dtype, seq, block):
     h, kvh, packed = CASES[case]
-    q, k, v, ct = inputs(h, kvh, head_dim, dtype)
+    q, k, v, ct = inputs(h, kvh, head_dim, dtype, seq=seq)
     kw = {}
     if packed:
-        pos, seg = packed_qa_row(q.shape[0])
+        pos, seg = packed_qa_row(q.shape[0], seq)
         kw = dict(q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg)
 
     def ours(kernel):
         return lambda q, k, v: blockwise_attention(
-            q, k, v, causal=True, block_q=BLOCK, block_k=BLOCK, kernel=kernel, **kw
+            q, k, v, causal=True, block_q=block, block_k=block, kernel=kernel, **kw
         )
 
     lowered = jax.jit(ours("pallas")).lower(q, k, v).as_text()
