@@ -201,36 +201,46 @@ def test_dead_blocks_are_never_read():
     )
 
 
-def test_model_logits_with_pallas_equal_xla():
-    """The debug model's logits and loss gradients with the Pallas kernel against the XLA
-    kernel, same parameters, packed documents, on the chip."""
+@pytest.mark.parametrize(("config", "seq", "block"), [("debug", 512, 128), ("demo", 832, 208)])
+def test_model_logits_with_pallas_equal_xla(config, seq, block):
+    """A model's logits with the Pallas kernel against the XLA kernel, same parameters, packed
+    documents, on the chip: the debug model (heads of 16), and the demo's world model at its
+    rows and blocks on one chip (heads of 32, blocks of 208). And causal: the Pallas logits
+    before a position do not move when every token after it changes (a kernel that let a query
+    see a later key would train to a loss no model that generates can reach)."""
     from flax import nnx
 
     from lwm.config import load_config
     from lwm.model import create_model
 
-    cfg = load_config(str(ROOT / "configs/debug.yaml")).model.model_copy(
-        update=dict(attention="blockwise", block_q=128, block_k=128, max_seq_len=512)
+    cfg = load_config(str(ROOT / f"configs/{config}.yaml")).model.model_copy(
+        update=dict(attention="blockwise", block_q=block, block_k=block, max_seq_len=seq)
     )
     rng = np.random.default_rng(0)
-    tokens = jnp.asarray(rng.integers(0, cfg.text_vocab_size, (2, 512)), jnp.int32)
-    seg = jnp.asarray(np.where(np.arange(512) < 200, 1, 2)[None].repeat(2, 0), jnp.int32)
-    pos = jnp.asarray(
-        np.where(np.arange(512) < 200, np.arange(512), np.arange(512) - 200)[None].repeat(2, 0),
-        jnp.int32,
-    )
-    vision = jnp.zeros((2, 512), bool)
+    tokens = rng.integers(0, cfg.text_vocab_size, (2, seq))
+    later = tokens.copy()
+    cut = seq // 2 + 3  # inside a block, not at its edge
+    later[:, cut:] = rng.integers(0, cfg.text_vocab_size, (2, seq - cut))
+    first = seq * 2 // 5  # two documents, positions restarting at the second
+    seg = jnp.asarray(np.where(np.arange(seq) < first, 1, 2)[None].repeat(2, 0), jnp.int32)
+    pos = np.where(np.arange(seq) < first, np.arange(seq), np.arange(seq) - first)
+    pos = jnp.asarray(pos[None].repeat(2, 0), jnp.int32)
+    vision = jnp.zeros((2, seq), bool)
     logits = {}
     for kernel in ("xla", "pallas"):
         model = create_model(cfg.model_copy(update=dict(attention_kernel=kernel)), seed=0)
 
         @nnx.jit
-        def forward(model):
+        def forward(model, tokens):
             return model(tokens=tokens, vision_mask=vision, positions=pos, segment_ids=seg)[0]
 
-        logits[kernel] = np.asarray(forward(model), np.float32)
+        for name, toks in ((kernel, tokens), (f"{kernel}, later changed", later)):
+            logits[name] = np.asarray(forward(model, jnp.asarray(toks, jnp.int32)), np.float32)
     scale = np.max(np.abs(logits["xla"]))
     assert np.max(np.abs(logits["pallas"] - logits["xla"])) <= 1e-2 * scale
+    moved = np.abs(logits["pallas, later changed"] - logits["pallas"])
+    assert np.max(moved[:, :cut]) <= 1e-6 * scale, np.argwhere(moved[:, :cut] > 1e-6 * scale)[:5]
+    assert np.max(moved[:, cut:]) > 1e-2 * scale  # the change reaches the positions after it
 
 
 def test_attention_saveable_runs_the_forward_kernel_once():
