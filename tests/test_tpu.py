@@ -385,3 +385,25 @@ def test_the_vqgan_at_highest_precision_encodes_as_the_cpu():
     assert jax.devices()[0].platform == "tpu"
     np.testing.assert_allclose(z_chip, z_cpu, rtol=1e-4, atol=1e-4)
     assert (codes_chip == codes_cpu).mean() >= 0.999
+
+
+def test_vqgan_weights_written_on_the_chip_read_back_the_same(tmp_path):
+    """`save_weights` of a VQGAN whose parameters live on the chip writes each tensor as it is:
+    the chip hands some of them (the demo VQGAN's 3x3 and 1x1 kernels with few output channels,
+    its codebook) to the host in a layout other than row-major, and before they were made
+    row-major the file held them scrambled (a 30 dB VQGAN read back at 7 dB)."""
+    from flax import nnx
+
+    from vqgan.config import load_vqgan_config
+    from vqgan.model import init_model
+    from vqgan.weights import _flat_params, load_weights, save_weights
+
+    cfg = load_vqgan_config(ROOT / "configs" / "vqgan" / "demo.yaml", ["data.manifest=none"])
+    model = init_model(cfg.model, seed=3)
+    nnx.update(model, jax.device_put(nnx.state(model), jax.devices()[0]))
+    assert jax.devices()[0].platform == "tpu"
+    on_chip = {k: np.array(jax.device_get(v)) for k, v in _flat_params(model).items()}
+    save_weights(tmp_path, model, cfg)
+    loaded, _ = load_weights(tmp_path)
+    for name, value in _flat_params(loaded).items():
+        np.testing.assert_array_equal(np.asarray(value), on_chip[name], err_msg=name)

@@ -477,6 +477,25 @@ def test_a_damaged_checkpoint_is_set_aside_and_a_run_past_its_steps_is_left_alon
     assert set(a) == set(b) and all(np.array_equal(a[k], b[k]) for k in a)
 
 
+def test_weights_handed_over_in_another_layout_are_written_as_they_are(tmp_path, monkeypatch):
+    """A TPU hands some parameters to the host in another memory layout (strides), and safetensors
+    writes an array's memory as it lies: `save_weights` must make each row-major first, or the
+    file holds them scrambled. Here every parameter comes back column-major."""
+    import vqgan.weights as weights
+
+    cfg = _tiny_model_cfg()
+    model = init_model(cfg, seed=0)
+    expected = {k: np.array(v) for k, v in weights._flat_params(model).items()}
+    device_get = jax.device_get
+    monkeypatch.setattr(weights.jax, "device_get", lambda x: np.asfortranarray(device_get(x)))
+    assert not np.asfortranarray(expected["quant_conv.kernel"]).flags.c_contiguous
+    weights.save_weights(tmp_path, model, cfg)
+    monkeypatch.undo()
+    loaded, _ = weights.load_weights(tmp_path)
+    for name, value in weights._flat_params(loaded).items():
+        np.testing.assert_array_equal(np.asarray(value), expected[name], err_msg=name)
+
+
 def test_the_fingerprint_names_the_weights_whatever_holds_them(
     trained: tuple[Path, Path], tmp_path: Path
 ) -> None:

@@ -75,7 +75,10 @@ def save_weights(
     directory.mkdir(parents=True, exist_ok=True)
     if isinstance(config, VQGANModelConfig):
         config = VQGANConfig(model=config)
-    tensors = {k: np.asarray(jax.device_get(v)) for k, v in _flat_params(model).items()}
+    # safetensors copies each array's buffer as it lies in memory, so each is made row-major
+    # first: a TPU hands some parameters to the host in another layout (strides), and written
+    # as they came they were scrambled (a 30 dB VQGAN read back at 7 dB).
+    tensors = {k: np.ascontiguousarray(jax.device_get(v)) for k, v in _flat_params(model).items()}
     with atomic_path(directory / WEIGHTS_FILE) as tmp:
         save_file(tensors, str(tmp))
     write_config(directory, config)
