@@ -496,6 +496,31 @@ def test_weights_handed_over_in_another_layout_are_written_as_they_are(tmp_path,
         np.testing.assert_array_equal(np.asarray(value), expected[name], err_msg=name)
 
 
+def test_weights_that_do_not_read_back_are_refused_and_not_kept(tmp_path, monkeypatch):
+    """`save_weights` reads the file back: a writer that changes one tensor (here its bytes
+    reversed) is a `WeightsError` naming it, and no model.safetensors is left."""
+    import safetensors.numpy
+
+    import vqgan.weights as weights
+
+    cfg = _tiny_model_cfg()
+    model = init_model(cfg, seed=0)
+    save_file = safetensors.numpy.save_file
+
+    def garbling(tensors, filename, metadata=None):
+        kernel = tensors["quant_conv.kernel"]
+        tensors = dict(
+            tensors, **{"quant_conv.kernel": kernel.ravel()[::-1].reshape(kernel.shape).copy()}
+        )
+        save_file(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", garbling)
+    with pytest.raises(WeightsError, match="tensor 'quant_conv.kernel' does not read back"):
+        weights.save_weights(tmp_path, model, cfg)
+    assert not (tmp_path / "model.safetensors").exists()
+    assert [p.name for p in tmp_path.iterdir() if "safetensors" in p.name] == []
+
+
 def test_the_fingerprint_names_the_weights_whatever_holds_them(
     trained: tuple[Path, Path], tmp_path: Path
 ) -> None:

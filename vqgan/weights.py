@@ -81,8 +81,22 @@ def save_weights(
     tensors = {k: np.ascontiguousarray(jax.device_get(v)) for k, v in _flat_params(model).items()}
     with atomic_path(directory / WEIGHTS_FILE) as tmp:
         save_file(tensors, str(tmp))
+        _check_reads_back(tmp, tensors, directory / WEIGHTS_FILE)
     write_config(directory, config)
     return directory
+
+
+def _check_reads_back(written: Path, tensors: Mapping[str, np.ndarray], path: Path) -> None:
+    """A `WeightsError` unless every tensor of the file ``written`` is bitwise the one given
+    (the file is then not kept): what a run measured is what its weights file holds."""
+    from safetensors.numpy import load_file
+
+    back = load_file(str(written))
+    for name, value in tensors.items():
+        if name not in back or back[name].tobytes() != value.tobytes():
+            raise WeightsError(
+                f"'{path}': tensor '{name}' does not read back as it was written; not kept"
+            )
 
 
 def write_config(directory: str | os.PathLike, config: VQGANConfig) -> None:
