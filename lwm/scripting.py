@@ -32,17 +32,41 @@ def run_step(
 
 
 def demo_vqgan_command(
-    lwm: list[str], cpu: list[str], output: Path, steps: int, manifest: Path
+    lwm: list[str],
+    cpu: list[str],
+    output: Path,
+    steps: int,
+    manifest: Path,
+    seed: int | None = None,
 ) -> list[str]:
     """`lwm vqgan train` of the demo's VQGAN (configs/vqgan/demo.yaml) on ``manifest``'s
     videos: the step every pipeline script runs when it is given no trained VQGAN. Dead codes
-    are restarted during the first half of the ``steps``, as the config does for its own."""
+    are restarted during the first half of the ``steps``, as the config does for its own; a
+    ``seed`` other than None is the VQGAN's `seed` (the config's, 0, otherwise)."""
     return (
         [*lwm, "vqgan", "train", *cpu, "--config", "configs/vqgan/demo.yaml"]
         + [f"train.output_dir={output}", f"train.steps={steps}"]
         + [f"quantizer.restart_until={steps // 2}"]
         + [f"data.manifest={manifest}"]
+        + ([] if seed is None else [f"seed={seed}"])
     )
+
+
+def check_vqgan_seed(output: Path, seed: int | None) -> None:
+    """Refuse (`ValueError`) a ``seed`` other than the one the VQGAN already under ``output``
+    trained from (its config.yaml's `seed`): a rerun would resume that run, or keep it as
+    finished, under another seed's name. None, or no run there yet, passes."""
+    config = output / "config.yaml"
+    if seed is None or not config.is_file():
+        return
+    import yaml
+
+    found = (yaml.safe_load(config.read_text()) or {}).get("seed", 0)
+    if found != seed:
+        raise ValueError(
+            f"--vqgan-seed {seed}: {output} holds a VQGAN trained from seed {found}; "
+            "rerun with that seed, or give another --out"
+        )
 
 
 def check_vqgan(path: str) -> None:

@@ -44,7 +44,7 @@ import sys
 import time
 from pathlib import Path
 
-from lwm.scripting import ROOT, check_mesh, demo_vqgan_command, run_step
+from lwm.scripting import ROOT, check_mesh, check_vqgan_seed, demo_vqgan_command, run_step
 
 sys.path.insert(0, str(ROOT))
 from data.synthetic import DEMO_WORLD, world_flags  # noqa: E402
@@ -115,6 +115,13 @@ def main() -> int:
     )
     p.add_argument("--frames", type=int, default=4, help="frames per video")
     p.add_argument("--vqgan-steps", type=int, default=1000, help="training steps of the VQGAN")
+    p.add_argument(
+        "--vqgan-seed",
+        type=int,
+        default=None,
+        help="the VQGAN's seed (default: its config's, 0); a folder whose VQGAN trained from "
+        "another seed is refused",
+    )
     p.add_argument(
         "--lm-steps", type=int, default=800, help="steps of the world model on all questions"
     )
@@ -211,6 +218,9 @@ def main() -> int:
 
     records = {"chained": "video", "mixed-alone": "alone"}.get(args.qa_turns, "isolated")
     qa_turns = "mixed" if args.qa_turns == "mixed-alone" else args.qa_turns
+    vqgan = out / "vqgan"
+    if not args.videos_only:
+        check_vqgan_seed(vqgan, args.vqgan_seed)
     # The videos and token datasets under --out are reused as they are: a rerun must ask for
     # the same ones (it went on with the old ones without a word).
     check_same_data(
@@ -249,8 +259,10 @@ def main() -> int:
         return 0
 
     # 2. the VQGAN (resumes from its checkpoints when rerun)
-    vqgan = out / "vqgan"
-    run(demo_vqgan_command(lwm, cpu, vqgan, args.vqgan_steps, train_videos), env=env)
+    run(
+        demo_vqgan_command(lwm, cpu, vqgan, args.vqgan_steps, train_videos, args.vqgan_seed),
+        env=env,
+    )
 
     # 3. the token dataset (resumable; skipped when complete)
     tokens = out / "tokens"

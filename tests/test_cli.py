@@ -647,6 +647,34 @@ def test_the_demo_rerun_with_other_videos_into_its_folder_is_refused(tmp_path) -
     )
 
 
+def test_the_demo_refuses_a_vqgan_seed_other_than_its_folders_before_making_anything(
+    tmp_path,
+) -> None:
+    """`--vqgan-seed` against a folder whose VQGAN trained from another seed (its config.yaml):
+    one line naming both, exit 2, nothing made (the rerun would have resumed or kept that VQGAN
+    under the new seed's name). The same seed, no seed, or no VQGAN yet pass."""
+    from lwm.scripting import check_vqgan_seed, demo_vqgan_command
+
+    (tmp_path / "vqgan").mkdir()
+    (tmp_path / "vqgan" / "config.yaml").write_text("model:\n  seed: 9\nseed: 3\n")
+    result = subprocess.run(
+        [sys.executable, "recipes/demo.py", "--out", str(tmp_path), "--vqgan-seed", "5"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        f"demo: error: --vqgan-seed 5: {tmp_path / 'vqgan'} holds a VQGAN trained from seed 3; "
+        "rerun with that seed, or give another --out"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["vqgan"]
+    for seed in (3, None):
+        check_vqgan_seed(tmp_path / "vqgan", seed)
+    check_vqgan_seed(tmp_path / "elsewhere", 5)
+    command = demo_vqgan_command(["lwm"], [], tmp_path, 10, tmp_path / "m.jsonl", seed=5)
+    assert command[-1] == "seed=5"
+    assert "seed=" not in " ".join(demo_vqgan_command(["lwm"], [], tmp_path, 10, tmp_path))
+
+
 def test_the_demo_names_a_wrong_set_key_before_making_anything(tmp_path) -> None:
     out = tmp_path / "demo"
     result = subprocess.run(
