@@ -56,12 +56,11 @@ def check_vqgan_seed(output: Path, seed: int | None) -> None:
     """Refuse (`ValueError`) a ``seed`` other than the one the VQGAN already under ``output``
     trained from (its config.yaml's `seed`): a rerun would resume that run, or keep it as
     finished, under another seed's name. None, or no run there yet, passes."""
-    config = output / "config.yaml"
-    if seed is None or not config.is_file():
+    if seed is None or not (output / "config.yaml").is_file():
         return
-    import yaml
+    from vqgan.weights import read_config
 
-    found = (yaml.safe_load(config.read_text()) or {}).get("seed", 0)
+    found = read_config(output).seed
     if found != seed:
         raise ValueError(
             f"--vqgan-seed {seed}: {output} holds a VQGAN trained from seed {found}; "

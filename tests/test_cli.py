@@ -656,7 +656,7 @@ def test_the_demo_refuses_a_vqgan_seed_other_than_its_folders_before_making_anyt
     from lwm.scripting import check_vqgan_seed, demo_vqgan_command
 
     (tmp_path / "vqgan").mkdir()
-    (tmp_path / "vqgan" / "config.yaml").write_text("model:\n  seed: 9\nseed: 3\n")
+    (tmp_path / "vqgan" / "config.yaml").write_text("data:\n  seed: 9\nseed: 3\n")
     result = subprocess.run(
         [sys.executable, "recipes/demo.py", "--out", str(tmp_path), "--vqgan-seed", "5"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
